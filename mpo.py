@@ -1,0 +1,756 @@
+"""MPO: Multi-scale Policy Optimization for long-horizon LLM agents, in one torch-only file.
+
+An agent acts in whole assistant turns (a search query, a tool call, an answer) while its policy
+writes token by token. MPO assigns credit at both scales:
+
+  1. token TD residuals        delta_{t,i} = r_{t,i} + V_next - V_{t,i}               (§5, step 2)
+  2. turn residual sums        delta^turn_t = sum_i delta_{t,i}                        (§3)
+  3. turn-level GAE            A^turn_t = sum_k lam^k delta^turn_{t+k}                 (§3)
+  4. intra-turn traces         A^intra_{t,i} = sum_{j>=i} lam_intra^(j-i) delta_{t,j}  (§3)
+  5. MAE projection, Eq. (20)  A^MAE_{t,i} = A^turn_t + beta (A^intra_{t,i} - mean_i A^intra_{t,i})
+  6. turn ratio                rho~_{t,i} = rho_{t,i} * sg(prod_{j != i} rho_{t,j})    (§3, §5 step 7)
+  7. clipped surrogate         -min(rho~ A, clip(rho~, 1 - eps, 1 + eps) A), token mean
+
+followed by the baselines the paper compares against (PPO token GAE, GRPO, GSPO) and the critic
+diagnostics of its Appendix C. Section numbers (§) refer to the paper notes of this project.
+
+Symbols: lam = λ (turn GAE), lam_intra = λ_intra (intra-turn trace), beta = β (strength of the
+centred correction), delta = δ (TD residual), rho = ρ (importance ratio), eps = ε (clip range),
+sg = stop-gradient. Discounting is γ = 1 throughout, as in the paper.
+
+Dimensions: B trajectories (rows), T token positions, K turns (the most turns of any row).
+
+Layout: every per-token tensor is batch-first (B, T). `turn_ids[b, p] = k >= 0` when the policy
+generated token p of row b in its k-th assistant turn, -1 everywhere else (prompt, observation,
+padding). Turns are contiguous and numbered 0, 1, 2, ... in order. `values[b, p]` is the critic's
+value of the prefix *before* token p; `rewards[b, p]` the reward right after emitting it.
+
+Precision: float64 inputs compute in float64; float32 / bfloat16 / float16 inputs compute and
+return float32. Validation (on by default, `validate=False` for hot loops) is the only place that
+reads tensors back to the host; with it off, nothing here synchronises with the device.
+
+Usage:
+    turn_ids = turn_ids_from_mask(action_mask)                 # (B, T)
+    rewards = outcome_rewards(scores, turn_ids)                # (B, T)
+    adv, ret = mpo_advantages(rewards, values, turn_ids)       # (B, T), (B, T)
+    loss, stats = policy_loss(logp, old_logp, adv, turn_ids)   # ratio_level="turn"
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+RATIO_LEVELS = ("turn", "token", "sequence")
+
+
+# ---------------------------------------------------------------------------------------------
+# Input validation: every public function checks its arguments unless validate=False.
+# These checks read values back to the host (one sync each); they never change a number.
+# ---------------------------------------------------------------------------------------------
+
+def _check_tensor(name: str, x, ref: torch.Tensor | None = None, dims: int = 2,
+                  ref_name: str = "turn_ids") -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != dims:
+        raise ValueError(f"{name} must have {dims} dimensions, got shape {tuple(x.shape)}")
+    if ref is not None and x.shape != ref.shape:
+        raise ValueError(f"{name} has shape {tuple(x.shape)} but {ref_name} has shape {tuple(ref.shape)}")
+    if ref is not None and x.device != ref.device:
+        raise ValueError(f"{name} is on {x.device} but {ref_name} is on {ref.device}")
+
+
+def _check_float(name: str, x: torch.Tensor, mask: torch.Tensor | None = None) -> None:
+    if not x.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got {x.dtype}")
+    bad = ~torch.isfinite(x)
+    if mask is not None:
+        bad = bad & mask
+    if bool(bad.any()):
+        raise ValueError(f"{name} holds NaN or inf at {int(bad.sum())} action position(s)")
+
+
+def _check_turn_ids(turn_ids) -> int:
+    """Check the turn layout and return K, the most turns of any row (0 if there is none)."""
+    _check_tensor("turn_ids", turn_ids)
+    if turn_ids.dtype.is_floating_point or turn_ids.dtype == torch.bool or turn_ids.is_complex():
+        raise TypeError(f"turn_ids must be an integer tensor (int64), got {turn_ids.dtype}")
+    if bool((turn_ids < -1).any()):
+        raise ValueError("turn_ids holds values below -1; use -1 for non-action positions")
+    B, T = turn_ids.shape
+    act = turn_ids >= 0
+    pos = torch.arange(T, device=turn_ids.device).expand(B, T)
+    # q = the previous action position of the row (-1 if none), via a running maximum.
+    q = torch.cummax(torch.where(act, pos, -1), dim=1).values                 # (B, T)
+    prev_q = F.pad(q[:, :-1], (1, 0), value=-1)                               # (B, T)
+    prev_id = torch.gather(turn_ids, 1, prev_q.clamp(min=0))                  # (B, T)
+    prev_id = torch.where(prev_q >= 0, prev_id, -1)
+    same = act & (turn_ids == prev_id)
+    if bool((same & (prev_q != pos - 1)).any()):
+        raise ValueError("turn_ids: a turn is split by non-turn tokens (-1); turns must be contiguous")
+    if bool((act & ~same & (turn_ids != prev_id + 1)).any()):
+        raise ValueError("turn_ids: turns must appear in order 0, 1, 2, ... in each row, without gaps")
+    return int(turn_ids.max().clamp(min=-1)) + 1 if turn_ids.numel() else 0
+
+
+def _check_unit(name: str, x: float) -> None:
+    if not isinstance(x, (int, float)) or isinstance(x, bool) or not (0.0 <= x <= 1.0):
+        raise ValueError(f"{name} must be a number in [0, 1], got {x!r}")
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+# ---------------------------------------------------------------------------------------------
+# The one loop primitive: a reverse linear recurrence solved in log2(T) vectorised steps.
+# ---------------------------------------------------------------------------------------------
+
+def reverse_scan(b: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """Solve x_i = b_i + a_i * x_{i+1} (x past the end = 0) along the last dimension.
+
+    Every GAE in this file is this recurrence: `b` is the residual and `a` the decay linking
+    position i to i + 1 (λ inside a segment, 0 where a segment ends, 1 to pass through a skipped
+    position). Solved by recursive doubling (Hillis & Steele, 1986): after the step with offset d,
+    x_i holds the sum over the next 2d positions and a_i the product of their decays, so
+    ceil(log2 T) vectorised steps replace a Python loop over T positions. No division, so it is
+    as exact as the loop (rounding aside) for any decay, λ = 0 included.
+
+    Example: b = [1, 1, 1], a = [0.5, 0.5, 0.5] -> x = [1.75, 1.5, 1.0].
+    """
+    x, a = b, a
+    n, d = b.shape[-1], 1
+    while d < n:
+        x = x + a * F.pad(x[..., d:], (0, d))       # x_i += (a_i...a_{i+d-1}) x_{i+d}
+        a = a * F.pad(a[..., d:], (0, d))           # a_i  = a_i...a_{i+2d-1}
+        d *= 2
+    return x
+
+
+def _per_turn_sum(x: torch.Tensor, turn_ids: torch.Tensor, num_turns: int) -> torch.Tensor:
+    """Sum x over the tokens of each turn: (B, T) -> (B, num_turns). Non-turn positions dropped."""
+    B = x.shape[0]
+    idx = torch.where(turn_ids >= 0, turn_ids, num_turns)                      # -1 -> spare column
+    out = torch.zeros(B, num_turns + 1, dtype=x.dtype, device=x.device)
+    return out.scatter_add_(1, idx, x)[:, :num_turns]                          # (B, K)
+
+
+def _gather_turn(x_turn: torch.Tensor, turn_ids: torch.Tensor) -> torch.Tensor:
+    """Broadcast a per-turn tensor (B, K) to the tokens of each turn (B, T); 0 off turns."""
+    val = torch.gather(x_turn, 1, turn_ids.clamp(min=0))                      # (B, T)
+    return torch.where(turn_ids >= 0, val, torch.zeros_like(val))
+
+
+def _next_action_value(v: torch.Tensor, act: torch.Tensor) -> torch.Tensor:
+    """V_next[b, p] = v at the first action position after p in row b, 0 if there is none."""
+    B, T = act.shape
+    pos = torch.arange(T, device=act.device).expand(B, T)
+    idx = torch.where(act, pos, T)                                            # T means "none"
+    first_from = torch.flip(torch.cummin(torch.flip(idx, [1]), dim=1).values, [1])   # first >= p
+    nxt = F.pad(first_from[:, 1:], (0, 1), value=T)                           # first > p
+    return torch.gather(F.pad(v, (0, 1)), 1, nxt)                             # (B, T), 0 past end
+
+
+# ---------------------------------------------------------------------------------------------
+# From a trainer's batch to the paper's quantities
+# ---------------------------------------------------------------------------------------------
+
+def turn_ids_from_mask(action_mask: torch.Tensor) -> torch.Tensor:
+    """Turn ids from a 0/1 action mask: each maximal run of 1s is the next turn, -1 elsewhere.
+
+    This is how verl and TRL mark multi-turn rollouts (1 = model token, 0 = prompt, tool output,
+    padding). Example: [[0, 1, 1, 0, 0, 1, 0]] -> [[-1, 0, 0, -1, -1, 1, -1]].
+
+    Args:
+        action_mask: (B, T) bool or integer tensor of 0s and 1s.
+    Returns:
+        turn_ids: (B, T) int64.
+    """
+    _check_tensor("action_mask", action_mask)
+    if action_mask.dtype != torch.bool:
+        if action_mask.is_floating_point() or action_mask.is_complex():
+            raise TypeError(f"action_mask must be a bool or integer tensor, got {action_mask.dtype}")
+        if bool(((action_mask != 0) & (action_mask != 1)).any()):
+            raise ValueError("action_mask must hold only 0 and 1")
+    act = action_mask.bool()
+    starts = act & ~F.pad(act[:, :-1], (1, 0), value=False)                   # first token of a run
+    ids = torch.cumsum(starts.long(), dim=1) - 1                               # (B, T)
+    return torch.where(act, ids, torch.full_like(ids, -1))
+
+
+def outcome_rewards(scores: torch.Tensor, turn_ids: torch.Tensor) -> torch.Tensor:
+    """Place the outcome reward R(τ) of each row on its last action token (§3: 1{t=T} R(τ)).
+
+    Example: scores = [1.0], turn_ids = [[-1, 0, 0, -1, 1, 1, -1]] -> [[0, 0, 0, 0, 0, 1, 0]].
+
+    Args:
+        scores: (B,) float, one outcome score per trajectory.
+        turn_ids: (B, T) int64.
+    Returns:
+        rewards: (B, T), zero except on each row's last action token (rows without turns: zero).
+    """
+    _check_turn_ids(turn_ids)
+    _check_tensor("scores", scores, dims=1)
+    if scores.shape[0] != turn_ids.shape[0] or scores.device != turn_ids.device:
+        raise ValueError(f"scores must have shape ({turn_ids.shape[0]},) on {turn_ids.device}, "
+                         f"got {tuple(scores.shape)} on {scores.device}")
+    _check_float("scores", scores)
+    B, T = turn_ids.shape
+    pos = torch.arange(T, device=turn_ids.device).expand(B, T)
+    last = torch.where(turn_ids >= 0, pos, -1).max(dim=1).values                # (B,)
+    rewards = torch.zeros(B, T + 1, dtype=scores.dtype, device=scores.device)  # spare column T
+    rewards.scatter_(1, torch.where(last >= 0, last, T)[:, None], scores[:, None])
+    return rewards[:, :T]
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. Token TD residuals and 2. their per-turn sums
+# ---------------------------------------------------------------------------------------------
+
+def token_td_residuals(rewards: torch.Tensor, values: torch.Tensor, turn_ids: torch.Tensor,
+                       *, validate: bool = True) -> torch.Tensor:
+    """Token TD residuals δ_{t,i} = r_{t,i} + V_next − V_{t,i} (γ = 1).
+
+    V_next is the value at the row's next *action* token: inside a turn V_{t,i+1}; on a turn's
+    last token V_{t+1,1}, the value after the environment's observation; after the row's last
+    action token 0 (the episode has ended). Observation, prompt and padding positions get δ = 0
+    and their values are never read.
+
+    Args:
+        rewards: (B, T) float, non-zero only at action positions.
+        values: (B, T) float, V_{t,i} at action positions.
+        turn_ids: (B, T) int64.
+    Returns:
+        delta: (B, T).
+    """
+    if validate:
+        _validate_rewards_values(rewards, values, turn_ids)
+    dtype = _compute_dtype(values)
+    act = turn_ids >= 0
+    zero = torch.zeros((), dtype=dtype, device=values.device)
+    v = torch.where(act, values.to(dtype), zero)                              # (B, T)
+    r = torch.where(act, rewards.to(dtype), zero)                             # (B, T)
+    return torch.where(act, r + _next_action_value(v, act) - v, zero)         # (B, T)
+
+
+def _validate_rewards_values(rewards, values, turn_ids) -> int:
+    K = _check_turn_ids(turn_ids)
+    _check_tensor("rewards", rewards, turn_ids)
+    _check_tensor("values", values, turn_ids)
+    act = turn_ids >= 0
+    _check_float("rewards", rewards, act)
+    _check_float("values", values, act)
+    if bool(((rewards != 0) & ~act).any()):
+        raise ValueError("rewards must be 0 off action positions (turn_ids == -1); "
+                         "put a reward on the action token that earned it")
+    return K
+
+
+def turn_residual_sums(delta: torch.Tensor, turn_ids: torch.Tensor, num_turns: int | None = None,
+                       *, validate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Turn residuals δ^turn_t = Σ_i δ_{t,i}, the TD residual of the turn as one macro-action.
+
+    With γ = 1 the sum telescopes (§3): δ^turn_t = Σ_i r_{t,i} + V_{t+1,1} − V_{t,1}, so only the
+    critic's values at turn starts enter the turn-level credit.
+
+    Args:
+        delta: (B, T) token TD residuals.
+        turn_ids: (B, T) int64.
+        num_turns: K; default the most turns of any row (reads turn_ids, one host sync). Pass any
+            K >= that (e.g. T) to stay sync-free.
+    Returns:
+        delta_turn: (B, K) with 0 for turns a row does not have.
+        turn_mask: (B, K) bool, True where row b has turn k.
+    """
+    if validate:
+        K = _check_turn_ids(turn_ids)
+        _check_tensor("delta", delta, turn_ids)
+        _check_float("delta", delta, turn_ids >= 0)
+        if num_turns is not None and num_turns < K:
+            raise ValueError(f"num_turns={num_turns} but turn_ids holds {K} turns")
+    if num_turns is None:
+        num_turns = int(turn_ids.max().clamp(min=-1)) + 1
+    dtype = _compute_dtype(delta)
+    act = turn_ids >= 0
+    d = torch.where(act, delta.to(dtype), torch.zeros((), dtype=dtype, device=delta.device))
+    delta_turn = _per_turn_sum(d, turn_ids, num_turns)                         # (B, K)
+    n_turns = _per_turn_sum(act.to(dtype), turn_ids, num_turns)                # tokens per turn
+    return delta_turn, n_turns > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. Turn-level GAE and 4. intra-turn traces
+# ---------------------------------------------------------------------------------------------
+
+def turn_gae(delta_turn: torch.Tensor, turn_mask: torch.Tensor, lam: float,
+             *, validate: bool = True) -> torch.Tensor:
+    """Turn-level GAE (§3): A^turn_t = Σ_{k>=0} λ^k δ^turn_{t+k}, i.e. A^turn_t = δ^turn_t + λ A^turn_{t+1}.
+
+    λ discounts once per *turn*, not once per token: credit crosses a 40-token turn at the cost
+    of one λ, where token-level GAE pays λ^40 (§2).
+
+    Example: δ^turn = [0.2, 0.2, 0.3], λ = 0.8 -> A^turn = [0.552, 0.44, 0.3] (§5).
+
+    Args:
+        delta_turn: (B, K) turn residuals; turn_mask: (B, K) bool; lam: λ in [0, 1].
+    Returns:
+        adv_turn: (B, K), 0 where turn_mask is False.
+    """
+    if validate:
+        _check_unit("lam", lam)
+        _check_tensor("delta_turn", delta_turn)
+        _check_tensor("turn_mask", turn_mask)
+        if turn_mask.shape != delta_turn.shape or turn_mask.device != delta_turn.device:
+            raise ValueError(f"turn_mask {tuple(turn_mask.shape)} on {turn_mask.device} does not match "
+                             f"delta_turn {tuple(delta_turn.shape)} on {delta_turn.device}")
+        _check_float("delta_turn", delta_turn, turn_mask.bool())
+    mask = turn_mask.bool()
+    dtype = _compute_dtype(delta_turn)
+    zero = torch.zeros((), dtype=dtype, device=delta_turn.device)
+    d = torch.where(mask, delta_turn.to(dtype), zero)                          # (B, K)
+    decay = torch.where(mask, torch.full_like(d, lam), zero)                   # λ between turns
+    return torch.where(mask, reverse_scan(d, decay), zero)                     # (B, K)
+
+
+def intra_turn_traces(delta: torch.Tensor, turn_ids: torch.Tensor, lam_intra: float,
+                      *, validate: bool = True) -> torch.Tensor:
+    """Intra-turn traces (§3): A^intra_{t,i} = Σ_{j=i}^{L_t} λ_intra^{j−i} δ_{t,j}, restarting every turn.
+
+    The local, token-level signal inside turn t; it never crosses a turn boundary (the turn
+    GAE carries credit between turns).
+
+    Args:
+        delta: (B, T) token TD residuals; turn_ids: (B, T) int64; lam_intra: λ_intra in [0, 1].
+    Returns:
+        adv_intra: (B, T), 0 off action positions.
+    """
+    if validate:
+        _check_unit("lam_intra", lam_intra)
+        _check_turn_ids(turn_ids)
+        _check_tensor("delta", delta, turn_ids)
+        _check_float("delta", delta, turn_ids >= 0)
+    dtype = _compute_dtype(delta)
+    act = turn_ids >= 0
+    zero = torch.zeros((), dtype=dtype, device=delta.device)
+    d = torch.where(act, delta.to(dtype), zero)                                # (B, T)
+    next_id = F.pad(turn_ids[:, 1:], (0, 1), value=-1)
+    same_turn = act & (next_id == turn_ids)                                    # i+1 in turn t
+    decay = torch.where(same_turn, torch.full_like(d, lam_intra), zero)       # 0 ends a turn
+    return torch.where(act, reverse_scan(d, decay), zero)                      # (B, T)
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. Eq. (20): the MAE projection
+# ---------------------------------------------------------------------------------------------
+
+def mae_projection(adv_turn: torch.Tensor, adv_intra: torch.Tensor, turn_ids: torch.Tensor,
+                   beta: float, *, validate: bool = True) -> torch.Tensor:
+    """Eq. (20): centred intra-turn correction, A^MAE_{t,i} = A^turn_t + β (A^intra_{t,i} − mean_i A^intra_{t,i}).
+
+    The least-squares projection of β·A^intra_t onto {w : mean_i w_i = A^turn_t} (§6):
+    minimise ½ Σ_i (w_i − β A^intra_{t,i})² subject to (1/L_t) Σ_i w_i = A^turn_t; the Lagrange
+    condition w_i = β A^intra_{t,i} + μ/L_t with the constraint gives the centred form. Each
+    turn keeps its turn-level credit as its mean; tokens keep their relative local differences.
+
+    Args:
+        adv_turn: (B, K) A^turn; adv_intra: (B, T) A^intra; turn_ids: (B, T); beta: β >= 0.
+    Returns:
+        adv_mae: (B, T), 0 off action positions.
+    """
+    if validate:
+        if not isinstance(beta, (int, float)) or isinstance(beta, bool) or not beta >= 0 or math.isinf(beta):
+            raise ValueError(f"beta must be a finite number >= 0, got {beta!r}")
+        K = _check_turn_ids(turn_ids)
+        _check_tensor("adv_intra", adv_intra, turn_ids)
+        _check_tensor("adv_turn", adv_turn)
+        if adv_turn.shape[0] != turn_ids.shape[0] or adv_turn.shape[1] < K:
+            raise ValueError(f"adv_turn must have shape ({turn_ids.shape[0]}, >= {K}), "
+                             f"got {tuple(adv_turn.shape)}")
+        _check_float("adv_intra", adv_intra, turn_ids >= 0)
+    dtype = _compute_dtype(adv_intra)
+    act = turn_ids >= 0
+    K = adv_turn.shape[1]
+    intra = torch.where(act, adv_intra.to(dtype), torch.zeros((), dtype=dtype, device=adv_intra.device))
+    length = _per_turn_sum(act.to(dtype), turn_ids, K)                         # (B, K) L_t
+    mean_intra = _per_turn_sum(intra, turn_ids, K) / length.clamp(min=1)       # (B, K)
+    correction = intra - _gather_turn(mean_intra, turn_ids)                    # (B, T) centred
+    return _gather_turn(adv_turn.to(dtype), turn_ids) + beta * correction      # (B, T)
+
+
+# ---------------------------------------------------------------------------------------------
+# The composition: MPO advantages (Algorithm 1) and batch whitening (§5, step 6)
+# ---------------------------------------------------------------------------------------------
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """Standardise x over the positions of mask: (x − mean) / sqrt(var + eps), 0 off mask.
+
+    var is the unbiased (n − 1) variance over all masked positions of the batch, as verl's
+    masked_whiten computes it (0 when there is a single position).
+    """
+    m = mask.to(x.dtype)
+    n = m.sum()
+    mean = (x * m).sum() / n.clamp(min=1)
+    var = (((x - mean) * m) ** 2).sum() / (n - 1).clamp(min=1)
+    return torch.where(mask.bool(), (x - mean) * torch.rsqrt(var + eps), torch.zeros_like(x))
+
+
+def mpo_advantages(rewards: torch.Tensor, values: torch.Tensor, turn_ids: torch.Tensor,
+                   lam: float = 0.8, lam_intra: float = 0.95, beta: float = 1.0, whiten: bool = True,
+                   *, validate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """MPO advantages: stages 1–5 composed, then optional whitening over the batch (§5).
+
+    Defaults are the paper's reference setting (λ, λ_intra, β) = (0.80, 0.95, 1.00) (§7).
+    β = 0 is the "turn GAE only" ablation (every token of a turn gets A^turn_t).
+
+    Args:
+        rewards: (B, T) float, non-zero only on action tokens (see `outcome_rewards`).
+        values: (B, T) float critic values V_{t,i} (read at action tokens only).
+        turn_ids: (B, T) int64.
+        lam, lam_intra: λ, λ_intra in [0, 1]; beta: β >= 0; whiten: standardise the advantages.
+    Returns:
+        advantages: (B, T) A^MAE (whitened if `whiten`), 0 off action positions.
+        returns: (B, T) values + A^MAE before whitening: the critic's regression target.
+    """
+    if validate:
+        _check_unit("lam", lam)
+        _check_unit("lam_intra", lam_intra)
+        if not isinstance(beta, (int, float)) or isinstance(beta, bool) or not beta >= 0 or math.isinf(beta):
+            raise ValueError(f"beta must be a finite number >= 0, got {beta!r}")
+        K = _validate_rewards_values(rewards, values, turn_ids)
+    else:
+        K = turn_ids.shape[1]                      # an upper bound on the turn count: no sync
+    act = turn_ids >= 0
+    delta = token_td_residuals(rewards, values, turn_ids, validate=False)                # (B, T)
+    delta_turn, turn_mask = turn_residual_sums(delta, turn_ids, K, validate=False)       # (B, K)
+    adv_turn = turn_gae(delta_turn, turn_mask, lam, validate=False)                      # (B, K)
+    adv_intra = intra_turn_traces(delta, turn_ids, lam_intra, validate=False)            # (B, T)
+    adv = mae_projection(adv_turn, adv_intra, turn_ids, beta, validate=False)            # (B, T)
+    zero = torch.zeros((), dtype=adv.dtype, device=adv.device)
+    returns = torch.where(act, values.to(adv.dtype) + adv, zero)                         # (B, T)
+    if whiten:
+        adv = masked_whiten(adv, act)
+    return adv, returns
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. The turn-level importance ratio with a stop-gradient, and 7. the clipped surrogate
+# ---------------------------------------------------------------------------------------------
+
+def turn_ratio(logp: torch.Tensor, old_logp: torch.Tensor, turn_ids: torch.Tensor,
+               *, max_log_ratio: float = 20.0, validate: bool = True) -> torch.Tensor:
+    """Turn ratio with a stop-gradient (§3): ρ̃_{t,i} = ρ_{t,i} · sg(Π_{j≠i} ρ_{t,j}).
+
+    Forward: every token of turn t carries the whole turn's ratio ρ_t = exp Σ_j (logp − old_logp),
+    the probability ratio of the turn the environment actually received. Backward: ∂ρ̃_{t,i}/∂logp_{t,i}
+    = ρ_t and nothing flows to the other tokens of the turn, so each token's gradient is
+    ρ_t A_{t,i} and the centred corrections of Eq. (20) survive. With one shared differentiable
+    ρ_t they would cancel: Σ_i A^MAE_{t,i} = L_t A^turn_t (§3).
+
+    Implemented in log space, log ρ̃_{t,i} = lr_{t,i} + sg(S_t − lr_{t,i}) with S_t = Σ_j lr_{t,j},
+    so a long turn's product never overflows; S_t is clamped to ±max_log_ratio (exp(20) ≈ 5e8)
+    before exp, which changes nothing for any ratio PPO clipping would let through.
+
+    Args:
+        logp, old_logp: (B, T) log-probs of the sampled tokens (current, behaviour).
+        turn_ids: (B, T) int64.
+    Returns:
+        ratio: (B, T) float, ρ̃ at action positions, 1 elsewhere.
+    """
+    if validate:
+        _validate_logps(logp, old_logp, turn_ids)
+    act = turn_ids >= 0
+    dtype = _compute_dtype(logp)
+    lr = torch.where(act, logp.to(dtype) - old_logp.to(dtype), torch.zeros((), dtype=dtype, device=logp.device))
+    S = _gather_turn(_per_turn_sum(lr.detach(), turn_ids, turn_ids.shape[1]), turn_ids)   # (B, T)
+    S = S.clamp(-max_log_ratio, max_log_ratio)
+    return torch.exp(lr + (S - lr).detach())                                  # (B, T), sg(·) = .detach()
+
+
+def _validate_logps(logp, old_logp, turn_ids) -> None:
+    _check_turn_ids(turn_ids)
+    _check_tensor("logp", logp, turn_ids)
+    _check_tensor("old_logp", old_logp, turn_ids)
+    _check_float("logp", logp, turn_ids >= 0)
+    _check_float("old_logp", old_logp, turn_ids >= 0)
+
+
+def _sequence_ratio(lr: torch.Tensor, act: torch.Tensor, max_log_ratio: float) -> torch.Tensor:
+    """GSPO-token ratio: s_{b,p} = sg[s_b] · π_p / sg[π_p], s_b = exp(mean of the row's log-ratios)."""
+    n = act.sum(dim=1, keepdim=True).clamp(min=1)
+    mean_lr = (lr.detach().sum(dim=1, keepdim=True) / n).clamp(-max_log_ratio, max_log_ratio)   # (B, 1)
+    return torch.exp(lr + (mean_lr - lr).detach())                            # (B, T)
+
+
+def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
+                turn_ids: torch.Tensor, clip_eps: float = 0.2, ratio_level: str = "turn", *,
+                clip_eps_high: float | None = None, dual_clip: float | None = None,
+                num_tokens: int | torch.Tensor | None = None, max_log_ratio: float = 20.0,
+                validate: bool = True) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped surrogate loss, token mean: L = (1/N) Σ_action max(−ρA, −clip(ρ, 1−ε, 1+ε_high) A).
+
+    ratio_level chooses ρ:
+      "turn"     ρ̃_{t,i} of `turn_ratio` (MPO);
+      "token"    ρ_{t,i} = exp(logp − old_logp) (PPO, and the "MPO w/ token IS" ablation);
+      "sequence" GSPO-token: s_b = exp(mean of the row's log-ratios) forward, own-token gradient.
+    The loss is a token mean over action tokens, N = their count in this batch, or `num_tokens`
+    (pass the count of the whole batch to every micro-batch so accumulated gradients equal the
+    full-batch gradient). `clip_eps_high` (DAPO's clip-higher) widens the upper bound; `dual_clip`
+    = c > 1 bounds the loss of negative advantages at −c·A (Ye et al., 2020).
+
+    Returns:
+        loss: 0-dim tensor to minimise.
+        stats: detached 0-dim tensors: clip_frac (share of action tokens whose term is clipped),
+            turn_clip_frac (share of turns whose turn ratio lies outside the clip range),
+            approx_kl (mean of (r − 1) − log r over action tokens, r the token ratio; estimates
+            KL(old ‖ new)), ratio_mean and ratio_max of the ratio used.
+    """
+    if validate:
+        _validate_logps(logp, old_logp, turn_ids)
+        _check_tensor("advantages", advantages, turn_ids)
+        _check_float("advantages", advantages, turn_ids >= 0)
+        if ratio_level not in RATIO_LEVELS:
+            raise ValueError(f"ratio_level must be one of {RATIO_LEVELS}, got {ratio_level!r}")
+        if not clip_eps > 0 or (clip_eps_high is not None and not clip_eps_high > 0):
+            raise ValueError(f"clip_eps and clip_eps_high must be > 0, got {clip_eps}, {clip_eps_high}")
+        if dual_clip is not None and not dual_clip > 1:
+            raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+    elif ratio_level not in RATIO_LEVELS:
+        raise ValueError(f"ratio_level must be one of {RATIO_LEVELS}, got {ratio_level!r}")
+    eps_low, eps_high = clip_eps, clip_eps if clip_eps_high is None else clip_eps_high
+    act = turn_ids >= 0
+    dtype = _compute_dtype(logp)
+    zero = torch.zeros((), dtype=dtype, device=logp.device)
+    lr = torch.where(act, logp.to(dtype) - old_logp.to(dtype), zero)          # (B, T)
+    if ratio_level == "turn":
+        ratio = turn_ratio(logp, old_logp, turn_ids, max_log_ratio=max_log_ratio, validate=False)
+    elif ratio_level == "token":
+        ratio = torch.exp(lr + (lr.clamp(-max_log_ratio, max_log_ratio) - lr).detach())
+    else:
+        ratio = _sequence_ratio(lr, act, max_log_ratio)
+    A = torch.where(act, advantages.to(dtype), zero)                           # (B, T)
+    loss_unclipped = -A * ratio
+    loss_clipped = -A * ratio.clamp(1 - eps_low, 1 + eps_high)
+    loss_tok = torch.maximum(loss_unclipped, loss_clipped)                     # pessimistic bound
+    if dual_clip is not None:
+        loss_tok = torch.where(A < 0, torch.minimum(loss_tok, -dual_clip * A), loss_tok)
+    n = act.sum() if num_tokens is None else torch.as_tensor(num_tokens, device=logp.device)
+    loss = torch.where(act, loss_tok, zero).sum() / n.clamp(min=1)
+
+    with torch.no_grad():
+        nact = act.sum().clamp(min=1)
+        clipped = act & (loss_tok != loss_unclipped)          # a clipped term: no gradient
+        S_turn = _per_turn_sum(lr, turn_ids, turn_ids.shape[1])               # (B, T) as (B, K)
+        has_turn = _per_turn_sum(act.to(dtype), turn_ids, turn_ids.shape[1]) > 0
+        rho_turn = torch.exp(S_turn.clamp(-max_log_ratio, max_log_ratio))
+        turn_out = has_turn & ((rho_turn < 1 - eps_low) | (rho_turn > 1 + eps_high))
+        r_tok = torch.exp(lr.clamp(-max_log_ratio, max_log_ratio))
+        stats = {
+            "clip_frac": clipped.sum() / nact,
+            "turn_clip_frac": turn_out.sum() / has_turn.sum().clamp(min=1),
+            "approx_kl": torch.where(act, (r_tok - 1) - lr, zero).sum() / nact,
+            "ratio_mean": torch.where(act, ratio, zero).sum() / nact,
+            "ratio_max": torch.where(act, ratio, torch.full_like(ratio, -math.inf)).max(),
+        }
+    return loss, stats
+
+
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
+               turn_ids: torch.Tensor, clip: float | None = None, *,
+               num_tokens: int | torch.Tensor | None = None, validate: bool = True) -> torch.Tensor:
+    """Critic loss: ½ (1/N) Σ_action (V − R)², optionally value-clipped as in PPO.
+
+    With `clip` = c: per token max((V − R)², (V_clip − R)²), V_clip = V_old + clamp(V − V_old, −c, c).
+    N as in `policy_loss` (`num_tokens` for gradient accumulation). The targets R are the
+    `returns` of `mpo_advantages` (values + A^MAE), read at action tokens.
+    """
+    if validate:
+        _check_turn_ids(turn_ids)
+        act = turn_ids >= 0
+        for name, x in (("values", values), ("old_values", old_values), ("returns", returns)):
+            _check_tensor(name, x, turn_ids)
+            _check_float(name, x, act)
+        if clip is not None and not clip > 0:
+            raise ValueError(f"clip must be > 0 or None, got {clip}")
+    act = turn_ids >= 0
+    dtype = _compute_dtype(values)
+    zero = torch.zeros((), dtype=dtype, device=values.device)
+    v, R = values.to(dtype), returns.to(dtype)
+    err = (v - R) ** 2                                                          # (B, T)
+    if clip is not None:
+        old = old_values.to(dtype)
+        v_clip = old + (v - old).clamp(-clip, clip)
+        err = torch.maximum(err, (v_clip - R) ** 2)
+    n = act.sum() if num_tokens is None else torch.as_tensor(num_tokens, device=values.device)
+    return 0.5 * torch.where(act, err, zero).sum() / n.clamp(min=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Baselines: PPO token-level GAE, GRPO group advantages (GSPO = GRPO advantages with
+# policy_loss(ratio_level="sequence"))
+# ---------------------------------------------------------------------------------------------
+
+def token_gae(rewards: torch.Tensor, values: torch.Tensor, action_mask: torch.Tensor,
+              lam: float = 0.95, gamma: float = 1.0, whiten: bool = True,
+              *, validate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO baseline: token-level GAE over action tokens, A_i = δ_i + γλ A_next, δ_i = r_i + γ V_next − V_i.
+
+    Observation tokens are skipped, as verl's multi-turn GAE does: "next" is the next action
+    token, so the environment's reply costs no discount, but every generated token costs one
+    γλ, so credit crossing a turn of L tokens decays by λ^L (§2). Returns values + A (before
+    whitening) as the critic target; both 0 off the mask.
+
+    Args:
+        rewards, values: (B, T) float; action_mask: (B, T) bool or 0/1 integers (1 = action token).
+        lam: λ in [0, 1]; gamma: γ in [0, 1]; whiten: standardise over the batch's action tokens.
+    """
+    if validate:
+        _check_unit("lam", lam)
+        _check_unit("gamma", gamma)
+        turn_ids_from_mask(action_mask)                                        # checks the mask
+        _check_tensor("rewards", rewards, action_mask, ref_name="action_mask")
+        _check_tensor("values", values, action_mask, ref_name="action_mask")
+    act = action_mask.bool()
+    if validate:
+        _check_float("rewards", rewards, act)
+        _check_float("values", values, act)
+        if bool(((rewards != 0) & ~act).any()):
+            raise ValueError("rewards must be 0 off action positions (action_mask == 0)")
+    dtype = _compute_dtype(values)
+    zero = torch.zeros((), dtype=dtype, device=values.device)
+    v = torch.where(act, values.to(dtype), zero)                               # (B, T)
+    r = torch.where(act, rewards.to(dtype), zero)                              # (B, T)
+    delta = torch.where(act, r + gamma * _next_action_value(v, act) - v, zero) # (B, T)
+    decay = torch.where(act, torch.full_like(delta, gamma * lam), torch.ones_like(delta))   # skip obs
+    adv = torch.where(act, reverse_scan(delta, decay), zero)                   # (B, T)
+    returns = torch.where(act, v + adv, zero)
+    if whiten:
+        adv = masked_whiten(adv, act)
+    return adv, returns
+
+
+def grpo_advantages(scores: torch.Tensor, group_ids: torch.Tensor, turn_ids: torch.Tensor,
+                    eps: float = 1e-6, scale: bool = True) -> torch.Tensor:
+    """GRPO baseline: A_b = (R_b − mean_g R) / (std_g R + eps), broadcast to row b's action tokens.
+
+    g is the group of rollouts sharing group_ids[b] (the same prompt). std is the unbiased
+    standard deviation, as torch.std; a group of one gets A = 0 (no baseline to compare with).
+    scale=False drops the division (Dr. GRPO). Every action token of the row shares one value:
+    the coarse, sequence-level credit of §2.
+
+    Args:
+        scores: (B,) float; group_ids: (B,) int; turn_ids: (B, T) int64.
+    Returns:
+        advantages: (B, T), 0 off action positions.
+    """
+    _check_turn_ids(turn_ids)
+    B = turn_ids.shape[0]
+    for name, x in (("scores", scores), ("group_ids", group_ids)):
+        _check_tensor(name, x, dims=1)
+        if x.shape[0] != B or x.device != turn_ids.device:
+            raise ValueError(f"{name} must have shape ({B},) on {turn_ids.device}, got {tuple(x.shape)} on {x.device}")
+    if group_ids.is_floating_point():
+        raise TypeError(f"group_ids must be an integer tensor, got {group_ids.dtype}")
+    _check_float("scores", scores)
+    dtype = _compute_dtype(scores)
+    R = scores.to(dtype)
+    same = (group_ids[:, None] == group_ids[None, :]).to(dtype)               # (B, B)
+    n = same.sum(dim=1)                                                        # (B,)
+    mean = same @ R / n                                                        # (B,)
+    var = same @ R**2 / n - mean**2                                            # population
+    std = torch.sqrt((var * n / (n - 1).clamp(min=1)).clamp(min=0))            # unbiased
+    adv = R - mean
+    if scale:
+        adv = adv / (std + eps)
+    adv = torch.where(n > 1, adv, torch.zeros_like(adv))                       # (B,)
+    return torch.where(turn_ids >= 0, adv[:, None], torch.zeros((), dtype=dtype, device=adv.device))
+
+
+# ---------------------------------------------------------------------------------------------
+# Diagnostics: explained variance and the critic's turn structure (Appendix C; §1, §3, §9)
+# ---------------------------------------------------------------------------------------------
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, turn_ids: torch.Tensor) -> torch.Tensor:
+    """1 − Var(R − V) / Var(R) over action tokens: 1 is a perfect critic, 0 a constant one."""
+    act = turn_ids >= 0
+    dtype = _compute_dtype(values)
+    v, R = values.to(dtype)[act], returns.to(dtype)[act]
+    var_R = R.var(unbiased=False)
+    return 1 - (R - v).var(unbiased=False) / var_R.clamp(min=1e-12)
+
+
+def turn_value_structure(values: torch.Tensor, turn_ids: torch.Tensor) -> dict[str, float]:
+    """The paper's Appendix C statistics: do the critic's values vary mainly between turns?
+
+    Computed per trajectory (row) with at least two turns, on the values at its action tokens
+    (v̄ the row mean, m_t the mean of turn t, L_t its length):
+
+      between_share_token_median   median over rows of Σ_t L_t (m_t − v̄)² / Σ_{t,i} (v_{t,i} − v̄)²,
+                                   the share of the token-weighted variance explained by turn
+                                   means (paper: 89.5%);
+      between_share_equal_median   median of Var_t(m_t) / (Var_t(m_t) + mean_t Var_i(v_{t,i})), the
+                                   same with every turn weighted equally, population variances
+                                   (paper: 90.2%);
+      between_exceeds_within_frac  share of rows with Σ_t L_t (m_t − v̄)² > Σ_{t,i} (v_{t,i} − m_t)²
+                                   (paper: 93.8%);
+      boundary_share_sq_changes    pooled over all rows: adjacent pairs are consecutive action
+                                   tokens (observations skipped); the share of Σ Δv² that falls on
+                                   pairs crossing a turn boundary (paper: 9.2%);
+      boundary_jump_exceeds_span_frac  share of rows whose mean |Δv| over boundary pairs exceeds
+                                   the mean over its turns of the turn's P95 − P05 value span
+                                   (torch.quantile, linear interpolation) (paper: 22.4%);
+      n_trajectories, n_turns      rows with >= 2 turns, and their turns.
+    Rows with a constant value (zero variance) are left out of the two share medians. A
+    diagnostic: it loops over rows on the CPU in float64; call it every N steps, not every step.
+    """
+    _check_turn_ids(turn_ids)
+    _check_tensor("values", values, turn_ids)
+    _check_float("values", values, turn_ids >= 0)
+    V, ids = values.detach().to("cpu", torch.float64), turn_ids.detach().cpu()
+    share_tok, share_eq, exceeds, jump_exceeds = [], [], [], []
+    sq_boundary = sq_all = 0.0
+    n_rows = n_turns = 0
+    for b in range(V.shape[0]):
+        act = ids[b] >= 0
+        v, t = V[b][act], ids[b][act]                                          # action tokens only
+        if v.numel() >= 2:
+            dv2 = (v[1:] - v[:-1]) ** 2
+            crossing = t[1:] != t[:-1]
+            sq_all += float(dv2.sum())
+            sq_boundary += float(dv2[crossing].sum())
+        K = int(t.max()) + 1 if t.numel() else 0
+        if K < 2:
+            continue
+        n_rows, n_turns = n_rows + 1, n_turns + K
+        turns = [v[t == k] for k in range(K)]
+        L = torch.tensor([float(x.numel()) for x in turns], dtype=torch.float64)
+        m = torch.stack([x.mean() for x in turns])                             # (K,) turn means
+        between = float((L * (m - v.mean()) ** 2).sum())
+        within = float(sum(((x - x.mean()) ** 2).sum() for x in turns))
+        if between + within > 0:
+            share_tok.append(between / (between + within))
+        var_between_eq = float(m.var(unbiased=False))
+        var_within_eq = float(torch.stack([x.var(unbiased=False) for x in turns]).mean())
+        if var_between_eq + var_within_eq > 0:
+            share_eq.append(var_between_eq / (var_between_eq + var_within_eq))
+        exceeds.append(between > within)
+        jumps = (v[1:] - v[:-1]).abs()[t[1:] != t[:-1]]
+        span = torch.stack([x.quantile(0.95) - x.quantile(0.05) for x in turns]).mean()
+        jump_exceeds.append(float(jumps.mean()) > float(span))
+
+    def median(xs):
+        return float(torch.tensor(xs, dtype=torch.float64).median()) if xs else math.nan
+
+    def frac(xs):
+        return sum(xs) / len(xs) if xs else math.nan
+
+    return {
+        "between_share_token_median": median(share_tok),
+        "between_share_equal_median": median(share_eq),
+        "between_exceeds_within_frac": frac(exceeds),
+        "boundary_share_sq_changes": sq_boundary / sq_all if sq_all > 0 else math.nan,
+        "boundary_jump_exceeds_span_frac": frac(jump_exceeds),
+        "n_trajectories": n_rows,
+        "n_turns": n_turns,
+    }
