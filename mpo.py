@@ -523,11 +523,11 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     dtype = _compute_dtype(logp)
     zero = torch.zeros((), dtype=dtype, device=logp.device)
     lr = torch.where(act, logp.to(dtype) - old_logp.to(dtype), zero)          # (B, T)
-    if ratio_level == "turn":
+    if ratio_level == "turn":                                                  # MPO: ρ̃_{t,i}
         ratio = turn_ratio(logp, old_logp, turn_ids, max_log_ratio=max_log_ratio, validate=False)
-    elif ratio_level == "token":
+    elif ratio_level == "token":                                               # ρ_{t,i}
         ratio = torch.exp(lr + (lr.clamp(-max_log_ratio, max_log_ratio) - lr).detach())
-    else:
+    else:                                                                      # GSPO s_b
         ratio = _sequence_ratio(lr, act, max_log_ratio)
     A = torch.where(act, advantages.to(dtype), zero)                           # (B, T)
     loss_unclipped = -A * ratio
@@ -541,14 +541,14 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     with torch.no_grad():
         nact = act.sum().clamp(min=1)
         clipped = act & (loss_tok != loss_unclipped)          # a clipped term: no gradient
-        S_turn = _per_turn_sum(lr, turn_ids, turn_ids.shape[1])               # (B, T) as (B, K)
-        has_turn = _per_turn_sum(act.to(dtype), turn_ids, turn_ids.shape[1]) > 0
-        rho_turn = torch.exp(S_turn.clamp(-max_log_ratio, max_log_ratio))
-        turn_out = has_turn & ((rho_turn < 1 - eps_low) | (rho_turn > 1 + eps_high))
+        rho_turn = ratio if ratio_level == "turn" else \
+            turn_ratio(logp, old_logp, turn_ids, max_log_ratio=max_log_ratio, validate=False)
+        starts = act & (turn_ids != F.pad(turn_ids[:, :-1], (1, 0), value=-1))   # first token of each turn
+        turn_out = starts & ((rho_turn < 1 - eps_low) | (rho_turn > 1 + eps_high))
         r_tok = torch.exp(lr.clamp(-max_log_ratio, max_log_ratio))
         stats = {
             "clip_frac": clipped.sum() / nact,
-            "turn_clip_frac": turn_out.sum() / has_turn.sum().clamp(min=1),
+            "turn_clip_frac": turn_out.sum() / starts.sum().clamp(min=1),
             "approx_kl": torch.where(act, (r_tok - 1) - lr, zero).sum() / nact,
             "ratio_mean": torch.where(act, ratio, zero).sum() / nact,
             "ratio_max": torch.where(act, ratio, torch.full_like(ratio, -math.inf)).max(),
