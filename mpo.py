@@ -672,12 +672,13 @@ def grpo_advantages(scores: torch.Tensor, group_ids: torch.Tensor, turn_ids: tor
 # ---------------------------------------------------------------------------------------------
 
 def explained_variance(values: torch.Tensor, returns: torch.Tensor, turn_ids: torch.Tensor) -> torch.Tensor:
-    """1 − Var(R − V) / Var(R) over action tokens: 1 is a perfect critic, 0 a constant one."""
+    """1 − Var(R − V) / Var(R) over action tokens: 1 is a perfect critic, 0 no better than a constant; NaN when R is constant."""
     act = turn_ids >= 0
     dtype = _compute_dtype(values)
     v, R = values.to(dtype)[act], returns.to(dtype)[act]
-    var_R = R.var(unbiased=False)
-    return 1 - (R - v).var(unbiased=False) / var_R.clamp(min=1e-12)
+    var_R = R.var(unbiased=False)                     # NaN when there is no action token
+    ev = 1 - (R - v).var(unbiased=False) / var_R
+    return torch.where(var_R > 0, ev, torch.full_like(ev, math.nan))   # undefined for constant R
 
 
 def turn_value_structure(values: torch.Tensor, turn_ids: torch.Tensor) -> dict[str, float]:

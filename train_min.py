@@ -1,0 +1,720 @@
+"""The paper's one-week minimal reproduction (§10 of the notes): a multi-turn search agent trained
+with MPO on one 24 GB GPU, with its ablations and baselines.
+
+    python train_min.py                              # setting A: full MPO, Qwen2.5-1.5B-Instruct, 4-bit
+    python train_min.py --variant mpo_token_is       # setting B: MPO w/ token IS
+    python train_min.py --variant mpo_beta0          # setting C: β = 0 (turn GAE only)
+    python train_min.py --variant ppo | grpo | gspo  # baselines
+    python train_min.py --preset tiny                # the whole loop on CPU in < 2 minutes
+
+What runs: a frozen base model in 4-bit NF4 (bitsandbytes) carrying two LoRA adapters, "policy"
+and "critic", plus a value head on the critic's last hidden state: the paper's token-level
+critic without a second model in memory. Each step samples `questions_per_step` questions x
+`n_rollouts` multi-turn episodes (<search>…</search> → <information>…</information> → …
+→ <answer>…</answer>) in batched `generate` calls, computes MPO advantages with mpo.py, and
+runs PPO-style epochs over the batch. Expected (§10): A > B > C in validation pass@1.
+
+Measured so far: the tiny preset on 2 CPU cores (see README). GPU peak memory and seconds per
+step of the default run are NOT measured yet (docs/reproduction.md says when they are).
+
+Sections: config → seeding → model → environment → rollout → advantages → update →
+evaluation / logging / checkpoint → main. Algorithm lines carry a `# MPO:` tag.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import mpo
+import search_env
+
+VARIANTS = ("mpo", "mpo_token_is", "mpo_beta0", "ppo", "grpo", "gspo")
+
+
+# ---------------------------------------------------------------------------------------------
+# Config
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class Config:
+    # --- run ---
+    preset: str = field(default="default", metadata={"help": "default (GPU, the paper's §10 run) | tiny (CPU demo: tiny random Qwen, < 2 min)"})
+    variant: str = field(default="mpo", metadata={"help": "mpo (A) | mpo_token_is (B) | mpo_beta0 (C) | ppo | grpo | gspo"})
+    seed: int = field(default=0, metadata={"help": "seed for sampling, data order and initialisation"})
+    steps: int = field(default=150, metadata={"help": "policy updates (§10: 100-150 steps)"})
+    out_dir: str = field(default="", metadata={"help": "run folder (default runs/<variant>-s<seed>)"})
+    resume: bool = field(default=False, metadata={"help": "continue from the latest checkpoint in out_dir"})
+    # --- model ---
+    model: str = field(default="Qwen/Qwen2.5-1.5B-Instruct", metadata={"help": "hub id or local path; Qwen/Qwen3-4B also fits 24 GB in 4-bit"})
+    load_in_4bit: bool = field(default=True, metadata={"help": "NF4 base weights via bitsandbytes (QLoRA)"})
+    lora_r: int = field(default=16, metadata={"help": "LoRA rank of both adapters"})
+    lora_alpha: int = field(default=32, metadata={"help": "LoRA scale numerator (scale = alpha / r)"})
+    gradient_checkpointing: bool = field(default=True, metadata={"help": "recompute activations in backward to fit 24 GB"})
+    enable_thinking: bool = field(default=False, metadata={"help": "Qwen3 chat template: allow <think> blocks"})
+    # --- data / environment ---
+    dataset: str = field(default="synthetic", metadata={"help": "synthetic (embedded fictional KB) | hotpotqa"})
+    hotpotqa_path: str = field(default="", metadata={"help": "local HotpotQA JSON (else the hub via `datasets`)"})
+    n_train: int = field(default=200, metadata={"help": "training questions (§10: 200)"})
+    n_val: int = field(default=50, metadata={"help": "validation questions (§10: 50), from a disjoint knowledge base"})
+    min_hops: int = field(default=2, metadata={"help": "fewest searches a question needs (§10: 2-4)"})
+    max_hops: int = field(default=4, metadata={"help": "most searches a question needs"})
+    top_k: int = field(default=3, metadata={"help": "documents returned per search"})
+    max_turns: int = field(default=5, metadata={"help": "assistant turns per episode (4 searches + answer)"})
+    max_new_tokens: int = field(default=96, metadata={"help": "token budget of one assistant turn"})
+    max_total_tokens: int = field(default=2048, metadata={"help": "episode length cap (prompt + all turns)"})
+    # --- algorithm (defaults: the paper's reference setting, §7) ---
+    lam: float = field(default=0.80, metadata={"help": "λ, turn-level GAE (§7)"})
+    lam_intra: float = field(default=0.95, metadata={"help": "λ_intra, intra-turn trace (§7)"})
+    beta: float = field(default=1.00, metadata={"help": "β, centred intra-turn correction (§7); mpo_beta0 sets 0"})
+    ppo_lam: float = field(default=0.95, metadata={"help": "λ of the PPO baseline's token GAE"})
+    clip_eps: float = field(default=0.2, metadata={"help": "ε of the clipped surrogate"})
+    clip_eps_high: float = field(default=0.28, metadata={"help": "upper clip (clip-higher, DAPO); = clip_eps for symmetric"})
+    gspo_clip: float = field(default=4e-4, metadata={"help": "ε of GSPO's sequence ratio (GSPO paper: 3e-4 / 4e-4)"})
+    value_clip: float = field(default=0.2, metadata={"help": "value clipping range (0 disables)"})
+    vf_coef: float = field(default=0.5, metadata={"help": "weight of the critic loss"})
+    kl_coef: float = field(default=0.0, metadata={"help": "KL(π ‖ base) penalty (k3 estimator); the base is the model with adapters disabled"})
+    n_rollouts: int = field(default=4, metadata={"help": "episodes per question (§10: n = 4); the GRPO group size"})
+    questions_per_step: int = field(default=16, metadata={"help": "questions per step (§10: batch 16)"})
+    ppo_epochs: int = field(default=1, metadata={"help": "passes over each batch"})
+    minibatches: int = field(default=4, metadata={"help": "optimiser steps per epoch"})
+    micro_batch_size: int = field(default=4, metadata={"help": "trajectories per forward/backward (memory knob)"})
+    rollout_batch_size: int = field(default=64, metadata={"help": "trajectories per generate call (memory knob)"})
+    # The paper fine-tunes all weights at 1e-6 (§10). LoRA trains a low-rank update from zero
+    # through a scale alpha/r, so it needs a much larger step for the same change in the policy;
+    # 1e-5 (policy) is the usual QLoRA-RL range. The critic and its fresh value head start from
+    # nothing and must fit returns quickly, hence larger rates.
+    lr_policy: float = field(default=1e-5, metadata={"help": "policy adapter learning rate (see comment)"})
+    lr_critic: float = field(default=5e-5, metadata={"help": "critic adapter learning rate"})
+    lr_value_head: float = field(default=1e-3, metadata={"help": "value head learning rate"})
+    max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping"})
+    temperature: float = field(default=1.0, metadata={"help": "sampling temperature; log-probs use the same scaling"})
+    # --- evaluation / logging / checkpoint ---
+    eval_every: int = field(default=10, metadata={"help": "validate every N steps (and at the end)"})
+    eval_samples: int = field(default=4, metadata={"help": "samples per validation question (pass@k for k <= this)"})
+    save_every: int = field(default=10, metadata={"help": "checkpoint every N steps (and on SIGTERM / SIGINT)"})
+    device: str = field(default="", metadata={"help": "cuda | cpu (default: cuda if available)"})
+
+    def __post_init__(self):
+        if self.variant not in VARIANTS:
+            raise ValueError(f"--variant must be one of {VARIANTS}, got {self.variant!r}")
+        if self.preset not in ("default", "tiny"):
+            raise ValueError(f"--preset must be 'default' or 'tiny', got {self.preset!r}")
+        if self.dataset not in ("synthetic", "hotpotqa"):
+            raise ValueError(f"--dataset must be 'synthetic' or 'hotpotqa', got {self.dataset!r}")
+        if self.variant == "mpo_beta0":
+            self.beta = 0.0
+        if not self.out_dir:
+            self.out_dir = f"runs/{self.preset + '-' if self.preset != 'default' else ''}{self.variant}-s{self.seed}"
+
+    @property
+    def uses_critic(self) -> bool:
+        return self.variant not in ("grpo", "gspo")
+
+
+TINY = dict(  # a CPU demo of the whole loop, not a result: random weights learn nothing in 4 steps
+    model="tiny", steps=4, n_train=16, n_val=4, questions_per_step=4, n_rollouts=2,
+    max_turns=3, max_new_tokens=24, max_total_tokens=768, minibatches=2, micro_batch_size=4,
+    eval_every=2, eval_samples=2, save_every=2, lora_r=4, lora_alpha=8, lr_policy=1e-3,
+    lr_critic=1e-3, gradient_checkpointing=False,
+)
+
+
+def parse_config(argv=None) -> Config:
+    from transformers import HfArgumentParser
+    (cfg,) = HfArgumentParser(Config).parse_args_into_dataclasses(args=argv)
+    if cfg.preset == "tiny":   # preset values apply unless the flag was given explicitly
+        given = {a.lstrip("-").split("=")[0].replace("-", "_") for a in (argv or sys.argv[1:]) if a.startswith("--")}
+        for k, v in TINY.items():
+            if k not in given:
+                setattr(cfg, k, v)
+    return cfg
+
+
+# ---------------------------------------------------------------------------------------------
+# Seeding
+# ---------------------------------------------------------------------------------------------
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Model: 4-bit base, "policy" and "critic" LoRA adapters, value head
+# ---------------------------------------------------------------------------------------------
+
+CHAT_TEMPLATE = (  # Qwen's ChatML layout, for the tiny offline tokenizer
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_tiny_model(path: Path, corpus: list[str], seed: int = 0) -> str:
+    """A tiny random Qwen2 (hidden 64, 2 layers) and a byte-level BPE tokenizer trained on `corpus`,
+    saved to `path` so the tiny preset loads through exactly the code path of a hub model."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+    if (path / "config.json").exists():
+        return str(path)
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=1024, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                  padding_side="left")
+    tok.chat_template = CHAT_TEMPLATE
+    torch.manual_seed(seed)
+    config = AutoConfig.for_model("qwen2", vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                  max_position_embeddings=4096, tie_word_embeddings=False,
+                                  eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    tmp = path.with_name(path.name + ".tmp")
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    os.replace(tmp, path)
+    return str(path)
+
+
+class ValueHead(nn.Module):
+    """V(prefix) from the critic adapter's last hidden state: one linear layer, kept in float32."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.linear = nn.Linear(hidden, 1)
+        nn.init.zeros_(self.linear.weight)      # start at V = 0: no arbitrary initial baseline
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.linear(h.float()).squeeze(-1)                              # (B, T)
+
+
+def load_model(cfg: Config, device: torch.device):
+    """Tokenizer, the PEFT model (frozen base + "policy" and "critic" adapters) and the value head."""
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+    tok = AutoTokenizer.from_pretrained(cfg.model, padding_side="left")
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    kwargs = {"dtype": compute_dtype}
+    if cfg.load_in_4bit:
+        try:
+            import bitsandbytes  # noqa: F401
+        except ImportError as e:
+            raise SystemExit("--load_in_4bit needs bitsandbytes: pip install -r requirements.txt") from e
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=compute_dtype)
+    base = AutoModelForCausalLM.from_pretrained(cfg.model, device_map={"": device}, **kwargs)
+    if cfg.load_in_4bit:
+        base = prepare_model_for_kbit_training(base, use_gradient_checkpointing=cfg.gradient_checkpointing,
+                                               gradient_checkpointing_kwargs={"use_reentrant": False})
+        _cpu_4bit_workaround(base)
+    elif cfg.gradient_checkpointing:
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    # LoRA dropout 0: the first minibatch's ratio must be exactly 1 (old_logp = logp).
+    lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=0.0, task_type="CAUSAL_LM",
+                      target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    model = get_peft_model(base, lora, adapter_name="policy")
+    model.add_adapter("critic", lora)
+    value_head = ValueHead(base.config.hidden_size).to(device)
+    return tok, model, value_head
+
+
+def _cpu_4bit_workaround(model) -> None:
+    """bitsandbytes on CPU repacks 4-bit weights after an eval-mode forward, which then breaks
+    backward (Qwen2) or silently corrupts LoRA gradients (Qwen3); see stack notes. GPUs: no-op."""
+    import bitsandbytes as bnb
+    for m in model.modules():
+        if isinstance(m, bnb.nn.Linear4bit):
+            m.support_avx512bf16_for_cpu = False
+
+
+def use_adapter(model, name: str) -> None:
+    """Activate one adapter. peft's set_adapter freezes the others: always call backward()
+    for a loss before switching, or that loss's adapter silently gets no gradient."""
+    model.set_adapter(name)
+
+
+def hidden_states(model, ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+    """Last hidden state of the active adapter's model (no vocabulary projection): (B, T, H)."""
+    return model.get_base_model().get_decoder()(input_ids=ids, attention_mask=attn).last_hidden_state
+
+
+def token_logprobs(model, ids, attn, act, temperature: float = 1.0):
+    """log π(token p | prefix) at action positions (0 elsewhere) and the mean entropy there.
+
+    Logits at position p − 1 predict token p, so an action token's log-prob comes from the
+    previous position; the vocabulary projection runs only at those positions (memory).
+    """
+    h = hidden_states(model, ids, attn)                                        # (B, T, H)
+    sel = act[:, 1:]                                                           # (B, T-1)
+    logits = model.get_base_model().get_output_embeddings()(h[:, :-1][sel]).float() / temperature  # (N, V)
+    logp_all = torch.log_softmax(logits, dim=-1)
+    lp = logp_all.gather(1, ids[:, 1:][sel][:, None]).squeeze(1)               # (N,)
+    entropy = -(logp_all.exp() * logp_all).sum(-1).mean() if lp.numel() else logits.new_zeros(())
+    out = torch.zeros(ids.shape, dtype=lp.dtype, device=ids.device)
+    out[:, 1:] = out[:, 1:].masked_scatter(sel, lp)
+    return out, entropy.detach()                                               # (B, T), ()
+
+
+def token_values(model, value_head, ids, attn):
+    """V_{t,i}: the critic's value of the prefix *before* token p, read at position p − 1."""
+    v = value_head(hidden_states(model, ids, attn))                            # (B, T)
+    return F.pad(v[:, :-1], (1, 0))                                            # (B, T)
+
+
+# ---------------------------------------------------------------------------------------------
+# Environment
+# ---------------------------------------------------------------------------------------------
+
+def make_splits(cfg: Config):
+    """Train / validation `search_env.Split`s: questions plus the corpus each is searched in."""
+    if cfg.dataset == "hotpotqa":
+        train = search_env.load_hotpotqa("train", n=cfg.n_train, path=cfg.hotpotqa_path or None)
+        val = search_env.load_hotpotqa("validation", n=cfg.n_val, path=cfg.hotpotqa_path or None)
+        return train, val
+    sizes = {} if cfg.preset == "default" else dict(n_people=24, n_organisations=8, n_cities=6, n_regions=3)
+    return search_env.make_dataset(cfg.n_train, cfg.n_val, cfg.min_hops, cfg.max_hops, seed=cfg.seed, **sizes)
+
+
+# ---------------------------------------------------------------------------------------------
+# Rollout: batched multi-turn generation, sampled token ids kept exactly
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class Trajectory:
+    ids: list[int]             # prompt, then assistant turns and observations, as token ids
+    turn_ids: list[int]        # k on the tokens the policy sampled in turn k, -1 elsewhere
+    messages: list[dict]       # the chat so far (text), for rendering the chat template
+    env: object
+    group: int                 # index of the question (the GRPO group)
+    reward: float = 0.0
+    info: dict = field(default_factory=dict)
+    done: bool = False
+
+    @property
+    def n_turns(self) -> int:
+        return max(self.turn_ids) + 1 if self.turn_ids else 0
+
+
+PLACEHOLDER = "\ue000MPO\ue000"
+
+
+def render_ids(tok, messages, cfg) -> list[int]:
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False,
+                                  enable_thinking=cfg.enable_thinking)
+    return list(ids)
+
+
+def observation_ids(tok, messages, observation: str, last_action_id: int, cfg) -> list[int]:
+    """Token ids between an assistant turn and the next: end of turn, the user message holding the
+    observation, and the assistant header, exactly as the chat template renders them.
+
+    Rendered around a placeholder for the assistant's text, so the sampled ids are never decoded
+    and re-encoded (that shifts token boundaries); only the template text after them is tokenised.
+    """
+    text = tok.apply_chat_template(messages + [{"role": "assistant", "content": PLACEHOLDER},
+                                               {"role": "user", "content": observation}],
+                                   add_generation_prompt=True, tokenize=False, enable_thinking=cfg.enable_thinking)
+    ids = tok(text.split(PLACEHOLDER)[-1], add_special_tokens=False).input_ids
+    if ids and ids[0] == last_action_id:   # the model already emitted the end-of-turn token
+        ids = ids[1:]
+    return ids
+
+
+@torch.no_grad()
+def generate_turns(model, tok, prompts: list[list[int]], cfg: Config, greedy: bool) -> list[list[int]]:
+    """One assistant turn for each prompt: sampled ids up to a closing tag or end-of-turn token."""
+    from transformers import GenerationConfig
+    stop_ids = sorted({tok.eos_token_id, tok.pad_token_id, *tok.convert_tokens_to_ids(["<|im_end|>"])} - {None, tok.unk_token_id})
+    # Pure sampling from the model's softmax: the hub's top_p / top_k / repetition_penalty
+    # defaults would make the behaviour policy differ from the π whose log-probs we train on.
+    gen = GenerationConfig(do_sample=not greedy, temperature=cfg.temperature if not greedy else None,
+                           top_p=1.0, top_k=0, repetition_penalty=1.0, max_new_tokens=cfg.max_new_tokens,
+                           eos_token_id=stop_ids, pad_token_id=tok.pad_token_id, stop_strings=["</search>", "</answer>"])
+    out_turns = []
+    for s in range(0, len(prompts), cfg.rollout_batch_size):
+        chunk = prompts[s:s + cfg.rollout_batch_size]
+        width = max(map(len, chunk))
+        ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in chunk], device=model.device)
+        attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=model.device)
+        out = model.generate(input_ids=ids, attention_mask=attn, generation_config=gen, tokenizer=tok)
+        for row in out[:, width:].tolist():
+            turn = []
+            for t in row:               # keep ids up to and including the first stop token
+                turn.append(t)
+                if t in stop_ids:
+                    break
+            out_turns.append(turn)
+    return out_turns
+
+
+def rollout(model, tok, split, questions, cfg: Config, n: int, greedy: bool = False) -> list[Trajectory]:
+    """n episodes per question, all live episodes generating their next turn in one batch."""
+    model.eval()
+    use_adapter(model, "policy")
+    search = search_env.BM25Search(split.docs, k=cfg.top_k)
+    trajs = []
+    for g, q in enumerate(questions):
+        for _ in range(n):
+            env = search_env.SearchEnv(search, q, max_turns=cfg.max_turns)
+            msgs = env.reset()
+            ids = render_ids(tok, msgs, cfg)
+            trajs.append(Trajectory(ids, [-1] * len(ids), msgs, env, g))
+    for turn in range(cfg.max_turns):
+        live = [t for t in trajs if not t.done]
+        for t in live:                  # the next turn would not fit: end as truncated, reward 0
+            if len(t.ids) + cfg.max_new_tokens > cfg.max_total_tokens:
+                t.done, t.info = True, {"em": 0.0, "f1": 0.0, "truncated": True, "malformed": False, "turns": turn}
+        live = [t for t in trajs if not t.done]
+        if not live:
+            break
+        for t, action in zip(live, generate_turns(model, tok, [t.ids for t in live], cfg, greedy)):
+            t.ids += action                                         # sampled ids, kept exactly
+            t.turn_ids += [turn] * len(action)
+            text = tok.decode(action, skip_special_tokens=True)
+            res = t.env.step(text)
+            t.messages = t.messages + [{"role": "assistant", "content": text}]
+            if res.done:
+                t.done, t.reward, t.info = True, float(res.reward), res.info
+            else:                                                   # observation: turn id -1
+                obs = observation_ids(tok, t.messages, res.observation, action[-1], cfg)
+                t.messages = t.messages + [{"role": "user", "content": res.observation}]
+                t.ids += obs
+                t.turn_ids += [-1] * len(obs)
+    return trajs
+
+
+def collate(trajs: list[Trajectory], pad_id: int, device) -> dict[str, torch.Tensor]:
+    """Right-pad trajectories into (B, T) tensors."""
+    T = max(len(t.ids) for t in trajs)
+    ids = torch.full((len(trajs), T), pad_id, dtype=torch.long)
+    turn_ids = torch.full((len(trajs), T), -1, dtype=torch.long)
+    attn = torch.zeros((len(trajs), T), dtype=torch.long)
+    for b, t in enumerate(trajs):
+        ids[b, :len(t.ids)] = torch.tensor(t.ids)
+        turn_ids[b, :len(t.ids)] = torch.tensor(t.turn_ids)
+        attn[b, :len(t.ids)] = 1
+    return {"ids": ids.to(device), "attn": attn.to(device), "turn_ids": turn_ids.to(device),
+            "scores": torch.tensor([t.reward for t in trajs], device=device),
+            "groups": torch.tensor([t.group for t in trajs], device=device)}
+
+
+@torch.no_grad()
+def score_batch(model, value_head, batch, cfg: Config) -> None:
+    """Behaviour log-probs, critic values and (with a KL penalty) the base model's log-probs."""
+    model.eval()
+    act = batch["turn_ids"] >= 0
+    old_logp, values, ref_logp = [], [], []
+    for s in range(0, act.shape[0], cfg.micro_batch_size):
+        sl = slice(s, s + cfg.micro_batch_size)
+        ids, attn = batch["ids"][sl], batch["attn"][sl]
+        use_adapter(model, "policy")
+        old_logp.append(token_logprobs(model, ids, attn, act[sl], cfg.temperature)[0])
+        if cfg.uses_critic:
+            use_adapter(model, "critic")
+            values.append(token_values(model, value_head, ids, attn))
+        if cfg.kl_coef > 0:
+            with model.disable_adapter():
+                ref_logp.append(token_logprobs(model, ids, attn, act[sl], cfg.temperature)[0])
+    batch["old_logp"] = torch.cat(old_logp)
+    batch["values"] = torch.cat(values) if values else torch.zeros_like(batch["old_logp"])
+    if ref_logp:
+        batch["ref_logp"] = torch.cat(ref_logp)
+
+
+# ---------------------------------------------------------------------------------------------
+# Advantages: everything algorithmic comes from mpo.py
+# ---------------------------------------------------------------------------------------------
+
+def compute_advantages(batch, cfg: Config) -> None:
+    turn_ids, values = batch["turn_ids"], batch["values"]
+    rewards = mpo.outcome_rewards(batch["scores"], turn_ids)                    # (B, T) R(τ) on the last token
+    if cfg.variant in ("mpo", "mpo_token_is", "mpo_beta0"):                     # MPO: Eq. (20) advantages
+        adv, ret = mpo.mpo_advantages(rewards, values, turn_ids, lam=cfg.lam, lam_intra=cfg.lam_intra, beta=cfg.beta)
+    elif cfg.variant == "ppo":                                                  # token GAE baseline
+        adv, ret = mpo.token_gae(rewards, values, turn_ids >= 0, lam=cfg.ppo_lam)
+    else:                                                                       # GRPO / GSPO
+        adv = mpo.grpo_advantages(batch["scores"], batch["groups"], turn_ids)
+        ret = torch.zeros_like(adv)
+    batch["advantages"], batch["returns"] = adv, ret
+
+
+def ratio_level(cfg: Config) -> str:
+    return {"mpo": "turn", "mpo_beta0": "turn", "gspo": "sequence"}.get(cfg.variant, "token")   # MPO: turn ratio
+
+
+# ---------------------------------------------------------------------------------------------
+# Update: PPO epochs x minibatches x micro-batches; policy loss on the policy adapter,
+# value loss on the critic adapter and value head
+# ---------------------------------------------------------------------------------------------
+
+def make_optimizer(model, value_head, cfg: Config):
+    groups = [{"params": [p for n, p in model.named_parameters() if ".policy." in n], "lr": cfg.lr_policy}]
+    if cfg.uses_critic:
+        groups += [{"params": [p for n, p in model.named_parameters() if ".critic." in n], "lr": cfg.lr_critic},
+                   {"params": list(value_head.parameters()), "lr": cfg.lr_value_head}]
+    return torch.optim.AdamW(groups, weight_decay=0.0)
+
+
+def update(model, value_head, opt, batch, cfg: Config) -> dict[str, float]:
+    model.train()
+    act = batch["turn_ids"] >= 0
+    B = act.shape[0]
+    eps = cfg.gspo_clip if cfg.variant == "gspo" else cfg.clip_eps
+    eps_high = cfg.gspo_clip if cfg.variant == "gspo" else cfg.clip_eps_high
+    sums, count = {}, 0
+    params = [p for g in opt.param_groups for p in g["params"]]
+    for _ in range(cfg.ppo_epochs):
+        perm = torch.randperm(B)
+        for mb in perm.chunk(cfg.minibatches):
+            n_tok = act[mb].sum()                   # one token mean over the whole minibatch
+            opt.zero_grad(set_to_none=True)
+            for micro in mb.split(cfg.micro_batch_size):
+                ids, attn, tid = batch["ids"][micro], batch["attn"][micro], batch["turn_ids"][micro]
+                use_adapter(model, "policy")
+                logp, entropy = token_logprobs(model, ids, attn, tid >= 0, cfg.temperature)
+                loss_pi, st = mpo.policy_loss(logp, batch["old_logp"][micro], batch["advantages"][micro], tid,
+                                              clip_eps=eps, ratio_level=ratio_level(cfg), clip_eps_high=eps_high,
+                                              num_tokens=n_tok, validate=False)          # MPO: turn ratio
+                loss = loss_pi
+                if cfg.kl_coef > 0:       # k3 estimator of KL(π ‖ base), token mean
+                    d = torch.where(tid >= 0, batch["ref_logp"][micro] - logp, 0.0)
+                    kl = torch.where(tid >= 0, d.exp() - 1 - d, 0.0).sum() / n_tok
+                    loss = loss + cfg.kl_coef * kl
+                    st["kl_base"] = kl.detach()
+                loss.backward()           # before switching adapters (see use_adapter)
+                st.update(policy_loss=loss_pi.detach(), entropy=entropy)
+                if cfg.uses_critic:
+                    use_adapter(model, "critic")
+                    v = token_values(model, value_head, ids, attn)
+                    loss_v = mpo.value_loss(v, batch["values"][micro], batch["returns"][micro], tid,
+                                            clip=cfg.value_clip or None, num_tokens=n_tok, validate=False)
+                    (cfg.vf_coef * loss_v).backward()
+                    st["value_loss"] = loss_v.detach()
+                w = float((tid >= 0).sum()) / max(float(n_tok), 1.0)
+                for k, v_ in st.items():
+                    sums[k] = sums.get(k, 0.0) + float(v_) * (w if k not in ("policy_loss", "value_loss", "kl_base") else 1.0)
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+            opt.step()
+            sums["grad_norm"] = sums.get("grad_norm", 0.0) + float(grad_norm)
+            count += 1
+    return {k: v / count for k, v in sums.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Evaluation, logging, checkpoint
+# ---------------------------------------------------------------------------------------------
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k (Chen et al., 2021): 1 − C(n−c, k) / C(n, k), n samples, c correct."""
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k) if n - c >= k else 1.0
+
+
+def pass_hat_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass^k: the probability that k samples (without replacement) all succeed, C(c, k) / C(n, k)."""
+    return math.comb(c, k) / math.comb(n, k)
+
+
+def episode_stats(trajs: list[Trajectory], n: int, prefix: str) -> dict[str, float]:
+    groups: dict[int, list[Trajectory]] = {}
+    for t in trajs:
+        groups.setdefault(t.group, []).append(t)
+    out = {}
+    for k in range(1, n + 1):
+        out[f"{prefix}pass@{k}"] = float(np.mean([pass_at_k(n, sum(t.reward > 0 for t in g), k) for g in groups.values()]))
+        if k > 1:
+            out[f"{prefix}pass^{k}"] = float(np.mean([pass_hat_k(n, sum(t.reward > 0 for t in g), k) for g in groups.values()]))
+    n_tok = [sum(x >= 0 for x in t.turn_ids) for t in trajs]
+    out[prefix + "reward"] = float(np.mean([t.reward for t in trajs]))
+    out[prefix + "f1"] = float(np.mean([t.info.get("f1", 0.0) for t in trajs]))
+    out[prefix + "turns"] = float(np.mean([t.n_turns for t in trajs]))
+    out[prefix + "tokens_per_turn"] = float(sum(n_tok) / max(sum(t.n_turns for t in trajs), 1))
+    out[prefix + "format_error_rate"] = float(np.mean([bool(t.info.get("malformed")) for t in trajs]))
+    return out
+
+
+def evaluate(model, tok, split, cfg: Config) -> dict[str, float]:
+    trajs = rollout(model, tok, split, split.questions, cfg, cfg.eval_samples)
+    return episode_stats(trajs, cfg.eval_samples, "val/")
+
+
+def save_checkpoint(out: Path, model, value_head, opt, state: dict) -> Path:
+    """Write the checkpoint to a temporary folder, then rename: a crash never leaves half of one."""
+    from safetensors.torch import save_file
+    final = out / "checkpoints" / f"step_{state['step']:06d}"
+    tmp = final.with_name(final.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    model.save_pretrained(tmp / "adapters", selected_adapters=["policy", "critic"])   # adapters/policy, adapters/critic
+    save_file(value_head.state_dict(), tmp / "value_head.safetensors")
+    torch.save({"optimizer": opt.state_dict(), "rng": rng_state()}, tmp / "trainer_state.pt")
+    (tmp / "state.json").write_text(json.dumps(state, indent=1))
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    (out / "checkpoints" / "latest.tmp").write_text(final.name)
+    os.replace(out / "checkpoints" / "latest.tmp", out / "checkpoints" / "latest")
+    return final
+
+
+REQUIRED = ("adapters/policy/adapter_model.safetensors", "adapters/critic/adapter_model.safetensors",
+            "value_head.safetensors", "trainer_state.pt", "state.json")
+
+
+def load_checkpoint(ckpt: Path, model, value_head, opt) -> dict:
+    """Restore adapters, value head, optimiser and RNG states; refuse an incomplete checkpoint."""
+    from peft import set_peft_model_state_dict
+    from peft.utils import load_peft_weights
+    from safetensors.torch import load_file
+    missing = [p for p in REQUIRED if not (ckpt / p).exists()]
+    if missing:
+        raise ValueError(f"checkpoint {ckpt} is incomplete, missing: {', '.join(missing)}")
+    for name in ("policy", "critic"):
+        set_peft_model_state_dict(model, load_peft_weights(str(ckpt / "adapters" / name)), adapter_name=name)
+    value_head.load_state_dict(load_file(ckpt / "value_head.safetensors"))
+    trainer = torch.load(ckpt / "trainer_state.pt", weights_only=False)
+    if opt is not None:
+        opt.load_state_dict(trainer["optimizer"])
+    set_rng_state(trainer["rng"])
+    return json.loads((ckpt / "state.json").read_text())
+
+
+def latest_checkpoint(out: Path) -> Path | None:
+    pointer = out / "checkpoints" / "latest"
+    return out / "checkpoints" / pointer.read_text().strip() if pointer.exists() else None
+
+
+class StopFlag:
+    """SIGTERM / SIGINT (preemption, Ctrl-C) set a flag; the loop checkpoints and exits cleanly."""
+
+    def __init__(self):
+        self.stop = False
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        if self.stop:                   # a second Ctrl-C aborts at once
+            raise KeyboardInterrupt
+        print(f"\nsignal {signum}: finishing this step, then checkpointing", file=sys.stderr)
+        self.stop = True
+
+
+def data_order(n: int, seed: int, epoch: int) -> list[int]:
+    """The question order of one pass over the training set: a function of (seed, epoch) only."""
+    return np.random.default_rng([seed, epoch]).permutation(n).tolist()
+
+
+# ---------------------------------------------------------------------------------------------
+# Main
+# ---------------------------------------------------------------------------------------------
+
+def main(argv=None) -> dict:
+    cfg = parse_config(argv)
+    if cfg.preset == "default" and not torch.cuda.is_available() and cfg.device != "cpu":
+        print("No CUDA GPU found: the default run needs one (24 GB). "
+              "On this machine run `python train_min.py --preset tiny` for the CPU demo of the whole loop.",
+              file=sys.stderr)
+        raise SystemExit(2)
+    device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    seed_everything(cfg.seed)
+
+    train, val = make_splits(cfg)
+    if cfg.model == "tiny":
+        corpus = train.docs + val.docs + [search_env.SYSTEM_PROMPT] + [q.question for q in train.questions + val.questions]
+        cfg.model = build_tiny_model(out.parent / ".tiny-qwen2", corpus)
+    tok, model, value_head = load_model(cfg, device)
+    opt = make_optimizer(model, value_head, cfg)
+    (out / "config.json").write_text(json.dumps(asdict(cfg), indent=1))
+
+    step, metrics_path = 0, out / "metrics.jsonl"
+    ckpt = latest_checkpoint(out) if cfg.resume else None
+    if ckpt is not None:
+        step = load_checkpoint(ckpt, model, value_head, opt)["step"]
+        lines = metrics_path.read_text().splitlines() if metrics_path.exists() else []
+        metrics_path.write_text("".join(l + "\n" for l in lines if json.loads(l)["step"] <= step))
+        print(f"resumed from {ckpt} at step {step}")
+    elif metrics_path.exists():
+        metrics_path.unlink()
+
+    from tqdm import tqdm
+    stop = StopFlag()
+    per_step = cfg.questions_per_step
+    last = {}
+    bar = tqdm(range(step, cfg.steps), initial=step, total=cfg.steps, desc=f"{cfg.variant}", dynamic_ncols=True)
+    for step in bar:
+        t0 = time.perf_counter()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        # --- rollout ---
+        start = step * per_step
+        order = data_order(len(train.questions), cfg.seed, start // len(train.questions))
+        questions = [train.questions[order[(start + i) % len(order)]] for i in range(per_step)]
+        trajs = rollout(model, tok, train, questions, cfg, cfg.n_rollouts)
+        batch = collate(trajs, tok.pad_token_id, device)
+        score_batch(model, value_head, batch, cfg)
+        t_rollout = time.perf_counter() - t0
+        # --- advantages and update ---
+        compute_advantages(batch, cfg)
+        stats = update(model, value_head, opt, batch, cfg)
+        t_step = time.perf_counter() - t0
+        act = batch["turn_ids"] >= 0
+        row = {"step": step + 1, **episode_stats(trajs, cfg.n_rollouts, "train/"), **{f"loss/{k}": v for k, v in stats.items()},
+               "adv/mean": float(batch["advantages"][act].mean()), "adv/std": float(batch["advantages"][act].std()),
+               "time/rollout_s": t_rollout, "time/update_s": t_step - t_rollout, "time/step_s": t_step,
+               "tokens_per_s": float(act.sum()) / t_rollout,
+               "mem/peak_gb": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")}
+        if cfg.uses_critic:
+            row["critic/explained_variance"] = float(mpo.explained_variance(batch["values"], batch["returns"], batch["turn_ids"]))
+        if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
+            row.update(evaluate(model, tok, val, cfg))
+        with metrics_path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        last = row
+        bar.write(f"step {step + 1:4d} | reward {row['train/reward']:.3f} | pass@1 {row.get('val/pass@1', float('nan')):.3f} "
+                  f"| pi {stats.get('policy_loss', 0):+.4f} v {stats.get('value_loss', 0):.4f} | clip {stats.get('clip_frac', 0):.3f} "
+                  f"| {t_step:.1f} s/step {row['tokens_per_s']:.0f} tok/s | mem {row['mem/peak_gb']:.1f} GB")
+        if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps or stop.stop:
+            save_checkpoint(out, model, value_head, opt, {"step": step + 1, "config": asdict(cfg)})
+        if stop.stop:
+            print(f"stopped at step {step + 1}; resume with --resume", file=sys.stderr)
+            break
+    bar.close()
+    return last
+
+
+if __name__ == "__main__":
+    main()
