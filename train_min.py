@@ -22,6 +22,7 @@ evaluation / logging / checkpoint → main. Algorithm lines carry a `# MPO:` tag
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -178,13 +179,19 @@ CHAT_TEMPLATE = (  # Qwen's ChatML layout, for the tiny offline tokenizer
 )
 
 
-def build_tiny_model(path: Path, corpus: list[str], seed: int = 0) -> str:
+def build_tiny_model(path: Path, corpus: list[str], seed: int = 0, warm_start: list[list[dict]] = (),
+                     warm_steps: int = 150) -> str:
     """A tiny random Qwen2 (hidden 64, 2 layers) and a byte-level BPE tokenizer trained on `corpus`,
-    saved to `path` so the tiny preset loads through exactly the code path of a hub model."""
+    saved to `path` so the tiny preset loads through exactly the code path of a hub model.
+
+    `warm_start`: chat episodes (e.g. scripted oracle episodes on the *training* knowledge base) to
+    fit for `warm_steps` steps first, so the tiny policy writes the <search>/<answer> protocol and
+    its rollouts have several turns; a random model only writes malformed one-turn episodes."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
     if (path / "config.json").exists():
         return str(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -199,11 +206,47 @@ def build_tiny_model(path: Path, corpus: list[str], seed: int = 0) -> str:
                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                   max_position_embeddings=4096, tie_word_embeddings=False,
                                   eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    tmp = path.with_name(path.name + ".tmp")
-    AutoModelForCausalLM.from_config(config).save_pretrained(tmp)
+    model = AutoModelForCausalLM.from_config(config)
+    if warm_start:
+        supervised_warm_start(model, tok, warm_start, warm_steps, seed)
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
-    os.replace(tmp, path)
+    try:
+        os.replace(tmp, path)
+    except OSError:                 # another process finished the same build first: use theirs
+        shutil.rmtree(tmp, ignore_errors=True)
     return str(path)
+
+
+def supervised_warm_start(model, tok, episodes: list[list[dict]], steps: int, seed: int,
+                          batch_size: int = 12, lr: float = 3e-3) -> None:
+    """Next-token training on the assistant tokens of chat episodes, laid out exactly as a rollout
+    lays them out (prompt, turn, observation, turn, ...)."""
+    from tqdm import tqdm
+    rows = []
+    for msgs in episodes:
+        ids, mask = render_ids(tok, msgs[:2], enable_thinking=False), []
+        mask = [0] * len(ids)
+        for i in range(2, len(msgs), 2):
+            turn = tok(msgs[i]["content"], add_special_tokens=False).input_ids + [tok.eos_token_id]
+            ids, mask = ids + turn, mask + [1] * len(turn)
+            if i + 1 < len(msgs):
+                obs = observation_ids(tok, msgs[:i + 1], msgs[i + 1]["content"], turn[-1], enable_thinking=False)
+                ids, mask = ids + obs, mask + [0] * len(obs)
+        rows.append((ids, mask))
+    g = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    model.train()
+    for _ in tqdm(range(steps), desc="tiny warm start", leave=False):
+        pick = torch.randint(len(rows), (batch_size,), generator=g).tolist()
+        T = max(len(rows[i][0]) for i in pick)
+        ids = torch.tensor([rows[i][0] + [tok.pad_token_id] * (T - len(rows[i][0])) for i in pick])
+        labels = torch.tensor([[t if m else -100 for t, m in zip(*rows[i])] + [-100] * (T - len(rows[i][0])) for i in pick])
+        loss = model(input_ids=ids, attention_mask=(labels != -100) | (ids != tok.pad_token_id), labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
 
 
 class ValueHead(nn.Module):
@@ -332,13 +375,14 @@ class Trajectory:
 PLACEHOLDER = "\ue000MPO\ue000"
 
 
-def render_ids(tok, messages, cfg) -> list[int]:
+def render_ids(tok, messages, enable_thinking: bool = False) -> list[int]:
+    """The prompt's token ids through the chat template, ending with the assistant header."""
     ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False,
-                                  enable_thinking=cfg.enable_thinking)
+                                  enable_thinking=enable_thinking)
     return list(ids)
 
 
-def observation_ids(tok, messages, observation: str, last_action_id: int, cfg) -> list[int]:
+def observation_ids(tok, messages, observation: str, last_action_id: int, enable_thinking: bool = False) -> list[int]:
     """Token ids between an assistant turn and the next: end of turn, the user message holding the
     observation, and the assistant header, exactly as the chat template renders them.
 
@@ -347,7 +391,7 @@ def observation_ids(tok, messages, observation: str, last_action_id: int, cfg) -
     """
     text = tok.apply_chat_template(messages + [{"role": "assistant", "content": PLACEHOLDER},
                                                {"role": "user", "content": observation}],
-                                   add_generation_prompt=True, tokenize=False, enable_thinking=cfg.enable_thinking)
+                                   add_generation_prompt=True, tokenize=False, enable_thinking=enable_thinking)
     ids = tok(text.split(PLACEHOLDER)[-1], add_special_tokens=False).input_ids
     if ids and ids[0] == last_action_id:   # the model already emitted the end-of-turn token
         ids = ids[1:]
@@ -391,7 +435,7 @@ def rollout(model, tok, split, questions, cfg: Config, n: int, greedy: bool = Fa
         for _ in range(n):
             env = search_env.SearchEnv(search, q, max_turns=cfg.max_turns)
             msgs = env.reset()
-            ids = render_ids(tok, msgs, cfg)
+            ids = render_ids(tok, msgs, cfg.enable_thinking)
             trajs.append(Trajectory(ids, [-1] * len(ids), msgs, env, g))
     for turn in range(cfg.max_turns):
         live = [t for t in trajs if not t.done]
@@ -410,7 +454,7 @@ def rollout(model, tok, split, questions, cfg: Config, n: int, greedy: bool = Fa
             if res.done:
                 t.done, t.reward, t.info = True, float(res.reward), res.info
             else:                                                   # observation: turn id -1
-                obs = observation_ids(tok, t.messages, res.observation, action[-1], cfg)
+                obs = observation_ids(tok, t.messages, res.observation, action[-1], cfg.enable_thinking)
                 t.messages = t.messages + [{"role": "user", "content": res.observation}]
                 t.ids += obs
                 t.turn_ids += [-1] * len(obs)
@@ -655,7 +699,12 @@ def main(argv=None) -> dict:
     train, val = make_splits(cfg)
     if cfg.model == "tiny":
         corpus = train.docs + val.docs + [search_env.SYSTEM_PROMPT] + [q.question for q in train.questions + val.questions]
-        cfg.model = build_tiny_model(out.parent / ".tiny-qwen2", corpus)
+        search = search_env.BM25Search(train.docs, k=cfg.top_k)
+        episodes = [search_env.run_episode(search_env.SearchEnv(search, q), search_env.reading_oracle(q)).messages
+                    for q in search_env.make_questions(train.kb, 200, cfg.min_hops, cfg.max_hops, seed=cfg.seed)]
+        key = hashlib.sha1(json.dumps([corpus, episodes, cfg.seed]).encode()).hexdigest()[:12]
+        cache = Path(os.environ.get("MPO_CACHE", "~/.cache/mpo")).expanduser()    # built once per content
+        cfg.model = build_tiny_model(cache / f"tiny-qwen2-{key}", corpus, seed=cfg.seed, warm_start=episodes)
     tok, model, value_head = load_model(cfg, device)
     opt = make_optimizer(model, value_head, cfg)
     (out / "config.json").write_text(json.dumps(asdict(cfg), indent=1))
