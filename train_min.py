@@ -105,6 +105,11 @@ class Config:
     # --- evaluation / logging / checkpoint ---
     eval_every: int = field(default=10, metadata={"help": "validate every N steps (and at the end)"})
     eval_samples: int = field(default=4, metadata={"help": "samples per validation question (pass@k for k <= this)"})
+    greedy_eval: bool = field(default=False, metadata={"help": "validate with greedy decoding (one sample: pass@1 only)"})
+    eval_only: bool = field(default=False, metadata={"help": "evaluate --checkpoint on the validation set and exit"})
+    checkpoint: str = field(default="", metadata={"help": "with --eval_only: a checkpoint folder, a run folder (its latest), or 'base' (adapters off)"})
+    structure_every: int = field(default=10, metadata={"help": "log the critic's turn_value_structure (§9) every N steps"})
+    tensorboard: bool = field(default=False, metadata={"help": "also write TensorBoard scalars to out_dir/tb"})
     save_every: int = field(default=10, metadata={"help": "checkpoint every N steps (and on SIGTERM / SIGINT)"})
     device: str = field(default="", metadata={"help": "cuda | cpu (default: cuda if available)"})
 
@@ -179,8 +184,11 @@ CHAT_TEMPLATE = (  # Qwen's ChatML layout, for the tiny offline tokenizer
 )
 
 
+TINY_BUILD = {"hidden": 64, "layers": 2, "vocab": 1024, "warm_steps": 150, "batch": 12, "lr": 3e-3}   # cache key too
+
+
 def build_tiny_model(path: Path, corpus: list[str], seed: int = 0, warm_start: list[list[dict]] = (),
-                     warm_steps: int = 150) -> str:
+                     warm_steps: int = TINY_BUILD["warm_steps"]) -> str:
     """A tiny random Qwen2 (hidden 64, 2 layers) and a byte-level BPE tokenizer trained on `corpus`,
     saved to `path` so the tiny preset loads through exactly the code path of a hub model.
 
@@ -197,13 +205,13 @@ def build_tiny_model(path: Path, corpus: list[str], seed: int = 0, warm_start: l
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
     bpe.train_from_iterator(corpus, trainers.BpeTrainer(
-        vocab_size=1024, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+        vocab_size=TINY_BUILD["vocab"], special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                   padding_side="left")
     tok.chat_template = CHAT_TEMPLATE
     torch.manual_seed(seed)
-    config = AutoConfig.for_model("qwen2", vocab_size=len(tok), hidden_size=64, intermediate_size=128,
-                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    config = AutoConfig.for_model("qwen2", vocab_size=len(tok), hidden_size=TINY_BUILD["hidden"],
+                                  intermediate_size=2 * TINY_BUILD["hidden"], num_hidden_layers=TINY_BUILD["layers"], num_attention_heads=4, num_key_value_heads=2,
                                   max_position_embeddings=4096, tie_word_embeddings=False,
                                   eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     model = AutoModelForCausalLM.from_config(config)
@@ -220,7 +228,7 @@ def build_tiny_model(path: Path, corpus: list[str], seed: int = 0, warm_start: l
 
 
 def supervised_warm_start(model, tok, episodes: list[list[dict]], steps: int, seed: int,
-                          batch_size: int = 12, lr: float = 3e-3) -> None:
+                          batch_size: int = TINY_BUILD["batch"], lr: float = TINY_BUILD["lr"]) -> None:
     """Next-token training on the assistant tokens of chat episodes, laid out exactly as a rollout
     lays them out (prompt, turn, observation, turn, ...)."""
     from tqdm import tqdm
@@ -611,8 +619,9 @@ def episode_stats(trajs: list[Trajectory], n: int, prefix: str) -> dict[str, flo
 
 
 def evaluate(model, tok, split, cfg: Config) -> dict[str, float]:
-    trajs = rollout(model, tok, split, split.questions, cfg, cfg.eval_samples)
-    return episode_stats(trajs, cfg.eval_samples, "val/")
+    n = 1 if cfg.greedy_eval else cfg.eval_samples
+    trajs = rollout(model, tok, split, split.questions, cfg, n, greedy=cfg.greedy_eval)
+    return episode_stats(trajs, n, "val/")
 
 
 def save_checkpoint(out: Path, model, value_head, opt, state: dict) -> Path:
@@ -637,7 +646,7 @@ REQUIRED = ("adapters/policy/adapter_model.safetensors", "adapters/critic/adapte
             "value_head.safetensors", "trainer_state.pt", "state.json")
 
 
-def load_checkpoint(ckpt: Path, model, value_head, opt) -> dict:
+def load_checkpoint(ckpt: Path, model, value_head, opt, restore_rng: bool = True) -> dict:
     """Restore adapters, value head, optimiser and RNG states; refuse an incomplete checkpoint."""
     from peft import set_peft_model_state_dict
     from peft.utils import load_peft_weights
@@ -651,7 +660,8 @@ def load_checkpoint(ckpt: Path, model, value_head, opt) -> dict:
     trainer = torch.load(ckpt / "trainer_state.pt", weights_only=False)
     if opt is not None:
         opt.load_state_dict(trainer["optimizer"])
-    set_rng_state(trainer["rng"])
+    if restore_rng:
+        set_rng_state(trainer["rng"])
     return json.loads((ckpt / "state.json").read_text())
 
 
@@ -673,6 +683,28 @@ class StopFlag:
             raise KeyboardInterrupt
         print(f"\nsignal {signum}: finishing this step, then checkpointing", file=sys.stderr)
         self.stop = True
+
+
+def eval_only(cfg: Config, model, value_head, tok, val, out: Path) -> dict:
+    """Validate a checkpoint (or the untouched base model) and write out_dir/eval_<name>.json."""
+    if not cfg.checkpoint:
+        raise ValueError("--eval_only needs --checkpoint (a checkpoint folder, a run folder, or 'base')")
+    if cfg.checkpoint == "base":
+        with model.disable_adapter():
+            row = evaluate(model, tok, val, cfg)
+        name = "base"
+    else:
+        ckpt = Path(cfg.checkpoint)
+        ckpt = latest_checkpoint(ckpt) or ckpt if not (ckpt / "state.json").exists() else ckpt
+        if not ckpt.exists():
+            raise ValueError(f"--checkpoint {cfg.checkpoint}: no checkpoint found there")
+        load_checkpoint(ckpt, model, value_head, None, restore_rng=False)
+        row = evaluate(model, tok, val, cfg)
+        name = ckpt.name
+    row = {"checkpoint": str(cfg.checkpoint), **row}
+    (out / f"eval_{name}.json").write_text(json.dumps(row, indent=1))
+    print(json.dumps(row, indent=1))
+    return row
 
 
 def data_order(n: int, seed: int, epoch: int) -> list[int]:
@@ -702,12 +734,16 @@ def main(argv=None) -> dict:
         search = search_env.BM25Search(train.docs, k=cfg.top_k)
         episodes = [search_env.run_episode(search_env.SearchEnv(search, q), search_env.reading_oracle(q)).messages
                     for q in search_env.make_questions(train.kb, 200, cfg.min_hops, cfg.max_hops, seed=cfg.seed)]
-        key = hashlib.sha1(json.dumps([corpus, episodes, cfg.seed]).encode()).hexdigest()[:12]
+        key = hashlib.sha1(json.dumps([corpus, episodes, cfg.seed, TINY_BUILD]).encode()).hexdigest()[:12]
         cache = Path(os.environ.get("MPO_CACHE", "~/.cache/mpo")).expanduser()    # built once per content
         cfg.model = build_tiny_model(cache / f"tiny-qwen2-{key}", corpus, seed=cfg.seed, warm_start=episodes)
     tok, model, value_head = load_model(cfg, device)
     opt = make_optimizer(model, value_head, cfg)
-    (out / "config.json").write_text(json.dumps(asdict(cfg), indent=1))
+    if not cfg.eval_only:
+        (out / "config.json").write_text(json.dumps(asdict(cfg), indent=1))
+
+    if cfg.eval_only:
+        return eval_only(cfg, model, value_head, tok, val, out)
 
     step, metrics_path = 0, out / "metrics.jsonl"
     ckpt = latest_checkpoint(out) if cfg.resume else None
@@ -720,6 +756,10 @@ def main(argv=None) -> dict:
         metrics_path.unlink()
 
     from tqdm import tqdm
+    tb = None
+    if cfg.tensorboard:
+        from torch.utils.tensorboard import SummaryWriter   # needs `pip install tensorboard`
+        tb = SummaryWriter(str(out / "tb"))
     stop = StopFlag()
     per_step = cfg.questions_per_step
     last = {}
@@ -748,20 +788,30 @@ def main(argv=None) -> dict:
                "mem/peak_gb": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")}
         if cfg.uses_critic:
             row["critic/explained_variance"] = float(mpo.explained_variance(batch["values"], batch["returns"], batch["turn_ids"]))
+        if cfg.uses_critic and ((step + 1) % cfg.structure_every == 0 or step + 1 == cfg.steps):
+            structure = mpo.turn_value_structure(batch["values"], batch["turn_ids"])   # §9: turn structure
+            row.update({f"critic/{k}": v for k, v in structure.items()})
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
             row.update(evaluate(model, tok, val, cfg))
         with metrics_path.open("a") as f:
             f.write(json.dumps(row) + "\n")
+        if tb is not None:
+            for k, v in row.items():
+                if isinstance(v, (int, float)) and k != "step" and math.isfinite(v):
+                    tb.add_scalar(k, v, step + 1)
         last = row
         bar.write(f"step {step + 1:4d} | reward {row['train/reward']:.3f} | pass@1 {row.get('val/pass@1', float('nan')):.3f} "
                   f"| pi {stats.get('policy_loss', 0):+.4f} v {stats.get('value_loss', 0):.4f} | clip {stats.get('clip_frac', 0):.3f} "
                   f"| {t_step:.1f} s/step {row['tokens_per_s']:.0f} tok/s | mem {row['mem/peak_gb']:.1f} GB")
         if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps or stop.stop:
-            save_checkpoint(out, model, value_head, opt, {"step": step + 1, "config": asdict(cfg)})
+            save_checkpoint(out, model, value_head, opt, {"step": step + 1, "questions_seen": (step + 1) * per_step,
+                                                          "data_order": "data_order(n_train, seed, epoch)", "config": asdict(cfg)})
         if stop.stop:
             print(f"stopped at step {step + 1}; resume with --resume", file=sys.stderr)
             break
     bar.close()
+    if tb is not None:
+        tb.close()
     return last
 
 
