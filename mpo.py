@@ -389,11 +389,12 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> tor
     var is the unbiased (n − 1) variance over all masked positions of the batch, as verl's
     masked_whiten computes it (0 when there is a single position).
     """
-    m = mask.to(x.dtype)
-    n = m.sum()
-    mean = (x * m).sum() / n.clamp(min=1)
-    var = (((x - mean) * m) ** 2).sum() / (n - 1).clamp(min=1)
-    return torch.where(mask.bool(), (x - mean) * torch.rsqrt(var + eps), torch.zeros_like(x))
+    mask = mask.bool()
+    x = torch.where(mask, x, torch.zeros_like(x))                              # junk off the mask: ignored
+    n = mask.sum()
+    mean = x.sum() / n.clamp(min=1)
+    var = torch.where(mask, x - mean, torch.zeros_like(x)).pow(2).sum() / (n - 1).clamp(min=1)
+    return torch.where(mask, (x - mean) * torch.rsqrt(var + eps), torch.zeros_like(x))
 
 
 def mpo_advantages(rewards: torch.Tensor, values: torch.Tensor, turn_ids: torch.Tensor,
@@ -547,8 +548,8 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
         turn_out = starts & ((rho_turn < 1 - eps_low) | (rho_turn > 1 + eps_high))
         r_tok = torch.exp(lr.clamp(-max_log_ratio, max_log_ratio))
         stats = {
-            "clip_frac": clipped.sum() / nact,
-            "turn_clip_frac": turn_out.sum() / starts.sum().clamp(min=1),
+            "clip_frac": clipped.sum().to(dtype) / nact,
+            "turn_clip_frac": turn_out.sum().to(dtype) / starts.sum().clamp(min=1),
             "approx_kl": torch.where(act, (r_tok - 1) - lr, zero).sum() / nact,
             "ratio_mean": torch.where(act, ratio, zero).sum() / nact,
             "ratio_max": torch.where(act, ratio, torch.full_like(ratio, -math.inf)).max(),
@@ -576,10 +577,11 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     act = turn_ids >= 0
     dtype = _compute_dtype(values)
     zero = torch.zeros((), dtype=dtype, device=values.device)
-    v, R = values.to(dtype), returns.to(dtype)
-    err = (v - R) ** 2                                                          # (B, T)
+    v = torch.where(act, values.to(dtype), zero)                               # masked first: junk off
+    R = torch.where(act, returns.to(dtype), zero)                              # action positions must
+    err = (v - R) ** 2                                                          # not reach the gradient
     if clip is not None:
-        old = old_values.to(dtype)
+        old = torch.where(act, old_values.to(dtype), zero)
         v_clip = old + (v - old).clamp(-clip, clip)
         err = torch.maximum(err, (v_clip - R) ** 2)
     n = act.sum() if num_tokens is None else torch.as_tensor(num_tokens, device=values.device)
@@ -631,7 +633,7 @@ def token_gae(rewards: torch.Tensor, values: torch.Tensor, action_mask: torch.Te
 
 
 def grpo_advantages(scores: torch.Tensor, group_ids: torch.Tensor, turn_ids: torch.Tensor,
-                    eps: float = 1e-6, scale: bool = True) -> torch.Tensor:
+                    eps: float = 1e-6, scale: bool = True, *, validate: bool = True) -> torch.Tensor:
     """GRPO baseline: A_b = (R_b − mean_g R) / (std_g R + eps), broadcast to row b's action tokens.
 
     g is the group of rollouts sharing group_ids[b] (the same prompt). std is the unbiased
@@ -644,22 +646,23 @@ def grpo_advantages(scores: torch.Tensor, group_ids: torch.Tensor, turn_ids: tor
     Returns:
         advantages: (B, T), 0 off action positions.
     """
-    _check_turn_ids(turn_ids)
-    B = turn_ids.shape[0]
-    for name, x in (("scores", scores), ("group_ids", group_ids)):
-        _check_tensor(name, x, dims=1)
-        if x.shape[0] != B or x.device != turn_ids.device:
-            raise ValueError(f"{name} must have shape ({B},) on {turn_ids.device}, got {tuple(x.shape)} on {x.device}")
-    if group_ids.is_floating_point():
-        raise TypeError(f"group_ids must be an integer tensor, got {group_ids.dtype}")
-    _check_float("scores", scores)
+    if validate:
+        _check_turn_ids(turn_ids)
+        B = turn_ids.shape[0]
+        for name, x in (("scores", scores), ("group_ids", group_ids)):
+            _check_tensor(name, x, dims=1)
+            if x.shape[0] != B or x.device != turn_ids.device:
+                raise ValueError(f"{name} must have shape ({B},) on {turn_ids.device}, got {tuple(x.shape)} on {x.device}")
+        if group_ids.is_floating_point():
+            raise TypeError(f"group_ids must be an integer tensor, got {group_ids.dtype}")
+        _check_float("scores", scores)
     dtype = _compute_dtype(scores)
     R = scores.to(dtype)
     same = (group_ids[:, None] == group_ids[None, :]).to(dtype)               # (B, B)
     n = same.sum(dim=1)                                                        # (B,)
     mean = same @ R / n                                                        # (B,)
-    var = same @ R**2 / n - mean**2                                            # population
-    std = torch.sqrt((var * n / (n - 1).clamp(min=1)).clamp(min=0))            # unbiased
+    dev2 = (R[None, :] - mean[:, None]) ** 2                                   # (B, B) centred first:
+    std = torch.sqrt((same * dev2).sum(dim=1) / (n - 1).clamp(min=1))          # no E[R²] − mean² cancellation
     adv = R - mean
     if scale:
         adv = adv / (std + eps)
@@ -671,8 +674,15 @@ def grpo_advantages(scores: torch.Tensor, group_ids: torch.Tensor, turn_ids: tor
 # Diagnostics: explained variance and the critic's turn structure (Appendix C; §1, §3, §9)
 # ---------------------------------------------------------------------------------------------
 
-def explained_variance(values: torch.Tensor, returns: torch.Tensor, turn_ids: torch.Tensor) -> torch.Tensor:
-    """1 − Var(R − V) / Var(R) over action tokens: 1 is a perfect critic, 0 no better than a constant; NaN when R is constant."""
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, turn_ids: torch.Tensor,
+                       *, validate: bool = True) -> torch.Tensor:
+    """1 − Var(R − V) / Var(R) over action tokens: 1 is a perfect critic, 0 no better than a
+    constant; NaN when R is constant or there is no action token. (Boolean indexing: one sync.)"""
+    if validate:
+        _check_turn_ids(turn_ids)
+        for name, x in (("values", values), ("returns", returns)):
+            _check_tensor(name, x, turn_ids)
+            _check_float(name, x, turn_ids >= 0)
     act = turn_ids >= 0
     dtype = _compute_dtype(values)
     v, R = values.to(dtype)[act], returns.to(dtype)[act]
@@ -740,8 +750,9 @@ def turn_value_structure(values: torch.Tensor, turn_ids: torch.Tensor) -> dict[s
         span = torch.stack([x.quantile(0.95) - x.quantile(0.05) for x in turns]).mean()
         jump_exceeds.append(float(jumps.mean()) > float(span))
 
-    def median(xs):
-        return float(torch.tensor(xs, dtype=torch.float64).median()) if xs else math.nan
+    def median(xs):                 # the usual median: the mean of the two middle values if even
+        xs = sorted(xs)
+        return (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2]) / 2 if xs else math.nan
 
     def frac(xs):
         return sum(xs) / len(xs) if xs else math.nan
