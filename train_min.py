@@ -33,6 +33,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -131,7 +132,7 @@ class Config:
 
 
 TINY = dict(  # a CPU demo of the whole loop, not a result: random weights learn nothing in 4 steps
-    model="tiny", steps=4, n_train=16, n_val=4, questions_per_step=4, n_rollouts=2,
+    model="tiny", steps=4, n_train=16, n_val=4, questions_per_step=4, n_rollouts=2, min_hops=1, max_hops=1,
     max_turns=3, max_new_tokens=24, max_total_tokens=768, minibatches=2, micro_batch_size=4,
     eval_every=2, eval_samples=2, save_every=2, lora_r=4, lora_alpha=8, lr_policy=1e-3,
     lr_critic=1e-3, gradient_checkpointing=False,
@@ -350,14 +351,44 @@ def token_values(model, value_head, ids, attn):
 # Environment
 # ---------------------------------------------------------------------------------------------
 
-def make_splits(cfg: Config):
-    """Train / validation `search_env.Split`s: questions plus the corpus each is searched in."""
+@dataclass
+class Suite:
+    """What the loop needs from a task family; add a branch to `make_suite` for your own.
+
+    make_env(task) returns an object with reset() -> chat messages and step(text) -> StepResult
+    (the interface of search_env.Environment). Tasks are grouped by identity for GRPO and pass@k.
+    """
+    train: list                          # training tasks
+    val: list                            # validation tasks
+    make_env: Callable                   # task -> Environment
+    stop_strings: tuple[str, ...] = ()   # a turn ends at one of these (or at end-of-turn / budget)
+    corpus: list[str] = field(default_factory=list)   # text for the tiny preset's tokenizer
+    warm_start: Callable | None = None   # () -> chat episodes for the tiny model's warm start
+
+
+def make_suite(cfg: Config) -> Suite:
+    """The search agent of §10: synthetic multi-hop questions (default) or HotpotQA."""
     if cfg.dataset == "hotpotqa":
         train = search_env.load_hotpotqa("train", n=cfg.n_train, path=cfg.hotpotqa_path or None)
         val = search_env.load_hotpotqa("validation", n=cfg.n_val, path=cfg.hotpotqa_path or None)
-        return train, val
-    sizes = {} if cfg.preset == "default" else dict(n_people=24, n_organisations=8, n_cities=6, n_regions=3)
-    return search_env.make_dataset(cfg.n_train, cfg.n_val, cfg.min_hops, cfg.max_hops, seed=cfg.seed, **sizes)
+    else:
+        sizes = {} if cfg.preset == "default" else dict(n_people=24, n_organisations=8, n_cities=6, n_regions=3)
+        train, val = search_env.make_dataset(cfg.n_train, cfg.n_val, cfg.min_hops, cfg.max_hops, seed=cfg.seed, **sizes)
+    # Each question is searched in its own split's corpus: validation never sees training documents.
+    index = {split.name: search_env.BM25Search(split.docs, k=cfg.top_k) for split in (train, val)}
+    by_question = {id(q): index[split.name] for split in (train, val) for q in split.questions}
+
+    def make_env(q):
+        return search_env.SearchEnv(by_question[id(q)], q, max_turns=cfg.max_turns)
+
+    def warm_start():                    # scripted episodes on the *training* knowledge base only
+        qs = search_env.make_questions(train.kb, 100, cfg.min_hops, cfg.max_hops, seed=cfg.seed, corpus_id=train.name)
+        return [search_env.run_episode(search_env.SearchEnv(index[train.name], q, cfg.max_turns),
+                                       search_env.reading_oracle(q)).messages for q in qs]
+
+    corpus = train.docs + val.docs + [search_env.SYSTEM_PROMPT] + [q.question for q in train.questions + val.questions]
+    return Suite(train.questions, val.questions, make_env, ("</search>", "</answer>"), corpus,
+                 warm_start if train.kb is not None else None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -407,7 +438,8 @@ def observation_ids(tok, messages, observation: str, last_action_id: int, enable
 
 
 @torch.no_grad()
-def generate_turns(model, tok, prompts: list[list[int]], cfg: Config, greedy: bool) -> list[list[int]]:
+def generate_turns(model, tok, prompts: list[list[int]], cfg: Config, greedy: bool,
+                   stop_strings: tuple[str, ...] = ()) -> list[list[int]]:
     """One assistant turn for each prompt: sampled ids up to a closing tag or end-of-turn token."""
     from transformers import GenerationConfig
     stop_ids = sorted({tok.eos_token_id, tok.pad_token_id, *tok.convert_tokens_to_ids(["<|im_end|>"])} - {None, tok.unk_token_id})
@@ -415,14 +447,15 @@ def generate_turns(model, tok, prompts: list[list[int]], cfg: Config, greedy: bo
     # defaults would make the behaviour policy differ from the π whose log-probs we train on.
     gen = GenerationConfig(do_sample=not greedy, temperature=cfg.temperature if not greedy else None,
                            top_p=1.0, top_k=0, repetition_penalty=1.0, max_new_tokens=cfg.max_new_tokens,
-                           eos_token_id=stop_ids, pad_token_id=tok.pad_token_id, stop_strings=["</search>", "</answer>"])
+                           eos_token_id=stop_ids, pad_token_id=tok.pad_token_id, stop_strings=list(stop_strings) or None)
     out_turns = []
     for s in range(0, len(prompts), cfg.rollout_batch_size):
         chunk = prompts[s:s + cfg.rollout_batch_size]
         width = max(map(len, chunk))
         ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in chunk], device=model.device)
         attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=model.device)
-        out = model.generate(input_ids=ids, attention_mask=attn, generation_config=gen, tokenizer=tok)
+        out = model.generate(input_ids=ids, attention_mask=attn, generation_config=gen,
+                             **({"tokenizer": tok} if stop_strings else {}))
         for row in out[:, width:].tolist():
             turn = []
             for t in row:               # keep ids up to and including the first stop token
@@ -433,15 +466,14 @@ def generate_turns(model, tok, prompts: list[list[int]], cfg: Config, greedy: bo
     return out_turns
 
 
-def rollout(model, tok, split, questions, cfg: Config, n: int, greedy: bool = False) -> list[Trajectory]:
-    """n episodes per question, all live episodes generating their next turn in one batch."""
+def rollout(model, tok, suite: Suite, tasks: list, cfg: Config, n: int, greedy: bool = False) -> list[Trajectory]:
+    """n episodes per task, all live episodes generating their next turn in one batch."""
     model.eval()
     use_adapter(model, "policy")
-    search = search_env.BM25Search(split.docs, k=cfg.top_k)
     trajs = []
-    for g, q in enumerate(questions):
+    for g, task in enumerate(tasks):
         for _ in range(n):
-            env = search_env.SearchEnv(search, q, max_turns=cfg.max_turns)
+            env = suite.make_env(task)
             msgs = env.reset()
             ids = render_ids(tok, msgs, cfg.enable_thinking)
             trajs.append(Trajectory(ids, [-1] * len(ids), msgs, env, g))
@@ -453,7 +485,7 @@ def rollout(model, tok, split, questions, cfg: Config, n: int, greedy: bool = Fa
         live = [t for t in trajs if not t.done]
         if not live:
             break
-        for t, action in zip(live, generate_turns(model, tok, [t.ids for t in live], cfg, greedy)):
+        for t, action in zip(live, generate_turns(model, tok, [t.ids for t in live], cfg, greedy, suite.stop_strings)):
             t.ids += action                                         # sampled ids, kept exactly
             t.turn_ids += [turn] * len(action)
             text = tok.decode(action, skip_special_tokens=True)
@@ -618,9 +650,9 @@ def episode_stats(trajs: list[Trajectory], n: int, prefix: str) -> dict[str, flo
     return out
 
 
-def evaluate(model, tok, split, cfg: Config) -> dict[str, float]:
+def evaluate(model, tok, suite: Suite, cfg: Config) -> dict[str, float]:
     n = 1 if cfg.greedy_eval else cfg.eval_samples
-    trajs = rollout(model, tok, split, split.questions, cfg, n, greedy=cfg.greedy_eval)
+    trajs = rollout(model, tok, suite, suite.val, cfg, n, greedy=cfg.greedy_eval)
     return episode_stats(trajs, n, "val/")
 
 
@@ -685,13 +717,13 @@ class StopFlag:
         self.stop = True
 
 
-def eval_only(cfg: Config, model, value_head, tok, val, out: Path) -> dict:
+def eval_only(cfg: Config, model, value_head, tok, suite: Suite, out: Path) -> dict:
     """Validate a checkpoint (or the untouched base model) and write out_dir/eval_<name>.json."""
     if not cfg.checkpoint:
         raise ValueError("--eval_only needs --checkpoint (a checkpoint folder, a run folder, or 'base')")
     if cfg.checkpoint == "base":
         with model.disable_adapter():
-            row = evaluate(model, tok, val, cfg)
+            row = evaluate(model, tok, suite, cfg)
         name = "base"
     else:
         ckpt = Path(cfg.checkpoint)
@@ -699,7 +731,7 @@ def eval_only(cfg: Config, model, value_head, tok, val, out: Path) -> dict:
         if not ckpt.exists():
             raise ValueError(f"--checkpoint {cfg.checkpoint}: no checkpoint found there")
         load_checkpoint(ckpt, model, value_head, None, restore_rng=False)
-        row = evaluate(model, tok, val, cfg)
+        row = evaluate(model, tok, suite, cfg)
         name = ckpt.name
     row = {"checkpoint": str(cfg.checkpoint), **row}
     (out / f"eval_{name}.json").write_text(json.dumps(row, indent=1))
@@ -728,22 +760,19 @@ def main(argv=None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     seed_everything(cfg.seed)
 
-    train, val = make_splits(cfg)
+    suite = make_suite(cfg)
     if cfg.model == "tiny":
-        corpus = train.docs + val.docs + [search_env.SYSTEM_PROMPT] + [q.question for q in train.questions + val.questions]
-        search = search_env.BM25Search(train.docs, k=cfg.top_k)
-        episodes = [search_env.run_episode(search_env.SearchEnv(search, q), search_env.reading_oracle(q)).messages
-                    for q in search_env.make_questions(train.kb, 200, cfg.min_hops, cfg.max_hops, seed=cfg.seed)]
-        key = hashlib.sha1(json.dumps([corpus, episodes, cfg.seed, TINY_BUILD]).encode()).hexdigest()[:12]
+        episodes = suite.warm_start() if suite.warm_start else []
+        key = hashlib.sha1(json.dumps([suite.corpus, episodes, cfg.seed, TINY_BUILD]).encode()).hexdigest()[:12]
         cache = Path(os.environ.get("MPO_CACHE", "~/.cache/mpo")).expanduser()    # built once per content
-        cfg.model = build_tiny_model(cache / f"tiny-qwen2-{key}", corpus, seed=cfg.seed, warm_start=episodes)
+        cfg.model = build_tiny_model(cache / f"tiny-qwen2-{key}", suite.corpus, seed=cfg.seed, warm_start=episodes)
     tok, model, value_head = load_model(cfg, device)
     opt = make_optimizer(model, value_head, cfg)
     if not cfg.eval_only:
         (out / "config.json").write_text(json.dumps(asdict(cfg), indent=1))
 
     if cfg.eval_only:
-        return eval_only(cfg, model, value_head, tok, val, out)
+        return eval_only(cfg, model, value_head, tok, suite, out)
 
     step, metrics_path = 0, out / "metrics.jsonl"
     ckpt = latest_checkpoint(out) if cfg.resume else None
@@ -770,9 +799,9 @@ def main(argv=None) -> dict:
             torch.cuda.reset_peak_memory_stats()
         # --- rollout ---
         start = step * per_step
-        order = data_order(len(train.questions), cfg.seed, start // len(train.questions))
-        questions = [train.questions[order[(start + i) % len(order)]] for i in range(per_step)]
-        trajs = rollout(model, tok, train, questions, cfg, cfg.n_rollouts)
+        order = data_order(len(suite.train), cfg.seed, start // len(suite.train))
+        tasks = [suite.train[order[(start + i) % len(order)]] for i in range(per_step)]
+        trajs = rollout(model, tok, suite, tasks, cfg, cfg.n_rollouts)
         batch = collate(trajs, tok.pad_token_id, device)
         score_batch(model, value_head, batch, cfg)
         t_rollout = time.perf_counter() - t0
@@ -792,7 +821,7 @@ def main(argv=None) -> dict:
             structure = mpo.turn_value_structure(batch["values"], batch["turn_ids"])   # §9: turn structure
             row.update({f"critic/{k}": v for k, v in structure.items()})
         if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
-            row.update(evaluate(model, tok, val, cfg))
+            row.update(evaluate(model, tok, suite, cfg))
         with metrics_path.open("a") as f:
             f.write(json.dumps(row) + "\n")
         if tb is not None:
