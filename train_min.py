@@ -113,6 +113,7 @@ class Config:
     tensorboard: bool = field(default=False, metadata={"help": "also write TensorBoard scalars to out_dir/tb"})
     save_every: int = field(default=10, metadata={"help": "checkpoint every N steps (and on SIGTERM / SIGINT)"})
     device: str = field(default="", metadata={"help": "cuda | cpu (default: cuda if available)"})
+    memory_cap_gb: float = field(default=0.0, metadata={"help": "cap this process's GPU memory (e.g. 24 on a larger GPU to check the 24 GB budget); 0 = no cap"})
 
     def __post_init__(self):
         if self.variant not in VARIANTS:
@@ -759,6 +760,9 @@ def main(argv=None) -> dict:
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     seed_everything(cfg.seed)
+    if cfg.memory_cap_gb and device.type == "cuda":      # allocations beyond the cap raise OOM
+        total = torch.cuda.get_device_properties(device).total_memory / 2**30
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cfg.memory_cap_gb / total), device)
 
     suite = make_suite(cfg)
     if cfg.model == "tiny":
