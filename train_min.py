@@ -113,6 +113,7 @@ class Config:
     tensorboard: bool = field(default=False, metadata={"help": "also write TensorBoard scalars to out_dir/tb"})
     save_every: int = field(default=10, metadata={"help": "checkpoint every N steps (and on SIGTERM / SIGINT)"})
     device: str = field(default="", metadata={"help": "cuda | cpu (default: cuda if available)"})
+    cpu_threads: int = field(default=0, metadata={"help": "torch CPU threads (0 = torch's default); tiny models run fastest on 1"})
     memory_cap_gb: float = field(default=0.0, metadata={"help": "cap this process's GPU memory (e.g. 24 on a larger GPU to check the 24 GB budget); 0 = no cap"})
 
     def __post_init__(self):
@@ -135,7 +136,7 @@ class Config:
 TINY = dict(  # a CPU demo of the whole loop, not a result: random weights learn nothing in 4 steps
     model="tiny", steps=4, n_train=16, n_val=4, questions_per_step=4, n_rollouts=2, min_hops=1, max_hops=1,
     max_turns=3, max_new_tokens=24, max_total_tokens=768, minibatches=2, micro_batch_size=4,
-    eval_every=2, eval_samples=2, save_every=2, lora_r=4, lora_alpha=8, lr_policy=1e-3,
+    eval_every=2, eval_samples=2, save_every=2, lora_r=4, lora_alpha=8, lr_policy=1e-3, cpu_threads=1,
     lr_critic=1e-3, gradient_checkpointing=False,
 )
 
@@ -211,14 +212,15 @@ def build_tiny_model(path: Path, corpus: list[str], seed: int = 0, warm_start: l
     tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                   padding_side="left")
     tok.chat_template = CHAT_TEMPLATE
-    torch.manual_seed(seed)
     config = AutoConfig.for_model("qwen2", vocab_size=len(tok), hidden_size=TINY_BUILD["hidden"],
                                   intermediate_size=2 * TINY_BUILD["hidden"], num_hidden_layers=TINY_BUILD["layers"], num_attention_heads=4, num_key_value_heads=2,
                                   max_position_embeddings=4096, tie_word_embeddings=False,
                                   eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    model = AutoModelForCausalLM.from_config(config)
-    if warm_start:
-        supervised_warm_start(model, tok, warm_start, warm_steps, seed)
+    with torch.random.fork_rng():       # building the cache must not change the caller's random stream
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config)
+        if warm_start:
+            supervised_warm_start(model, tok, warm_start, warm_steps, seed)
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
@@ -625,11 +627,15 @@ def update(model, value_head, opt, batch, cfg: Config) -> dict[str, float]:
 
 def pass_at_k(n: int, c: int, k: int) -> float:
     """Unbiased pass@k (Chen et al., 2021): 1 − C(n−c, k) / C(n, k), n samples, c correct."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
     return 1.0 - math.comb(n - c, k) / math.comb(n, k) if n - c >= k else 1.0
 
 
 def pass_hat_k(n: int, c: int, k: int) -> float:
     """Unbiased pass^k: the probability that k samples (without replacement) all succeed, C(c, k) / C(n, k)."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass^k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
     return math.comb(c, k) / math.comb(n, k)
 
 
@@ -757,6 +763,8 @@ def main(argv=None) -> dict:
               file=sys.stderr)
         raise SystemExit(2)
     device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if cfg.cpu_threads:                 # tiny matmuls: thread hand-off costs more than it saves
+        torch.set_num_threads(cfg.cpu_threads)
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     seed_everything(cfg.seed)

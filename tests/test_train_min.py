@@ -1,0 +1,674 @@
+"""Tests for train_min.py: log-prob / value alignment, masking, which weights an update touches,
+token ids kept exactly across turns, pass@k, the tiny preset end to end, exact resume, refused
+checkpoints and the CLI's failure modes.
+
+Everything runs on CPU. The unit tests share one tiny random Qwen2 (4-bit NF4 through
+bitsandbytes) built once with `build_tiny_model` in a tmp dir. The end-to-end runs of `main` build
+their own tiny model in a tmp MPO_CACHE (never ~/.cache) with a 4-step supervised warm start
+instead of 150 (~minutes on 2 CPU cores); the loop itself runs unchanged. Torch runs
+single-threaded here: on a loaded 2-core machine two OpenMP threads make each tiny matmul ~1000x
+slower.
+"""
+from __future__ import annotations
+
+import inspect
+import itertools
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import mpo  # noqa: E402
+import search_env  # noqa: E402
+import train_min  # noqa: E402
+
+CPU = torch.device("cpu")
+VOLATILE = ("time/", "tokens_per_s", "mem/")     # metrics that legitimately differ between runs
+
+
+# ---------------------------------------------------------------------------------------------
+# Fixtures
+# ---------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("train_min")
+
+
+@pytest.fixture(scope="module")
+def tiny_path(base) -> str:
+    """The tiny model, built once, where `main` looks for it for out_dirs inside `base`."""
+    cfg = train_min.parse_config(["--preset", "tiny", "--out_dir", str(base / "unused")])
+    return train_min.build_tiny_model(base / ".tiny-qwen2", train_min.make_suite(cfg).corpus)
+
+
+def make_cfg(tiny_path, base, *extra: str) -> train_min.Config:
+    return train_min.parse_config(["--preset", "tiny", "--model", tiny_path,
+                                   "--out_dir", str(base / "unit"), *extra])
+
+
+@pytest.fixture(scope="module")
+def cfg(tiny_path, base):
+    return make_cfg(tiny_path, base)
+
+
+@pytest.fixture(scope="module")
+def suite(cfg):
+    return train_min.make_suite(cfg)
+
+
+def _trainable(model, value_head) -> dict[str, torch.Tensor]:
+    out = {n: p for n, p in model.named_parameters() if "lora_" in n}
+    out.update({f"value_head.{n}": p for n, p in value_head.named_parameters()})
+    return out
+
+
+@pytest.fixture(scope="module")
+def loaded(cfg):
+    """Tokenizer, PEFT model and value head; LoRA B and the value head are randomised (they start
+    at zero), so the two adapters compute different functions and values are not all 0."""
+    tok, model, value_head = train_min.load_model(cfg, CPU)
+    g = torch.Generator().manual_seed(1234)
+    with torch.no_grad():
+        for n, p in _trainable(model, value_head).items():
+            if "lora_B" in n:
+                p.copy_(0.05 * torch.randn(p.shape, generator=g))
+            elif n.startswith("value_head."):
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+    snapshot = {n: p.detach().clone() for n, p in _trainable(model, value_head).items()}
+    return tok, model, value_head, snapshot
+
+
+@pytest.fixture
+def fresh(loaded):
+    """The shared model with its trainable weights reset and no gradients: order-independent tests."""
+    tok, model, value_head, snapshot = loaded
+    params = _trainable(model, value_head)
+    with torch.no_grad():
+        for n, p in params.items():
+            p.copy_(snapshot[n])
+    for p in itertools.chain(model.parameters(), value_head.parameters()):
+        p.grad = None
+    train_min.use_adapter(model, "policy")
+    return tok, model, value_head
+
+
+WARM_STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def e2e(base):
+    """For `main`: a private model cache and a short warm start (the build is keyed and cached, so
+    the runs of this module build it once)."""
+    real = train_min.build_tiny_model
+
+    def quick_build(*args, **kwargs):
+        if "warm_steps" in inspect.signature(real).parameters:
+            kwargs["warm_steps"] = WARM_STEPS
+        return real(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MPO_CACHE", str(base / "mpo-cache"))
+        mp.setattr(train_min, "build_tiny_model", quick_build)
+        yield base
+
+
+def run_main(argv: list[str]) -> dict:
+    """train_min.main with the process's signal handlers restored afterwards."""
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return train_min.main(argv)
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)
+
+
+# ---------------------------------------------------------------------------------------------
+# A hand-built trajectory: prompt, turn 0, observation, turn 1 (and a shorter second row)
+# ---------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def hand_batch(fresh, suite):
+    tok = fresh[0]
+    q = suite.train[0]
+    msgs = search_env.initial_messages(q)
+    prompt = train_min.render_ids(tok, msgs)
+    g = torch.Generator().manual_seed(7)
+    lo = len(tok.all_special_ids)  # the tiny BPE puts its special tokens first
+    turn0 = torch.randint(lo, len(tok), (9,), generator=g).tolist() + [tok.eos_token_id]
+    msgs1 = msgs + [{"role": "assistant", "content": tok.decode(turn0, skip_special_tokens=True)}]
+    obs = train_min.observation_ids(tok, msgs1, "<information>Doc 1: Nothing here.</information>", turn0[-1])
+    assert obs and obs[0] != tok.eos_token_id      # the end-of-turn token the turn emitted is not doubled
+    turn1 = torch.randint(lo, len(tok), (6,), generator=g).tolist()
+    row0 = prompt + turn0 + obs + turn1
+    tid0 = [-1] * len(prompt) + [0] * len(turn0) + [-1] * len(obs) + [1] * len(turn1)
+    row1, tid1 = prompt + turn0[:5], [-1] * len(prompt) + [0] * 5
+    T = len(row0)
+    pad = tok.pad_token_id
+    ids = torch.tensor([row0, row1 + [pad] * (T - len(row1))])
+    attn = torch.tensor([[1] * T, [1] * len(row1) + [0] * (T - len(row1))])
+    turn_ids = torch.tensor([tid0, tid1 + [-1] * (T - len(tid1))])
+    return ids, attn, turn_ids
+
+
+def reference_logprobs(model, ids, attn, temperature):
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=attn).logits.float()
+    lp = torch.log_softmax(logits[:, :-1] / temperature, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    return F.pad(lp, (1, 0))                       # lp[p] = log π(ids[p] | ids[:p]) from logits at p − 1
+
+
+def reference_values(model, value_head, ids, attn):
+    """value_head(last hidden state at p − 1), the last hidden state being lm_head's input."""
+    seen = []
+    hook = model.get_output_embeddings().register_forward_pre_hook(lambda m, a: seen.append(a[0]))
+    try:
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=attn)
+    finally:
+        hook.remove()
+    with torch.no_grad():
+        v = value_head(seen[0])
+    return F.pad(v[:, :-1], (1, 0))
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_token_logprobs_match_full_model_logits_at_action_positions(fresh, hand_batch, temperature):
+    tok, model, value_head = fresh
+    ids, attn, turn_ids = hand_batch
+    act = turn_ids >= 0
+    train_min.use_adapter(model, "policy")
+    with torch.no_grad():
+        lp, entropy = train_min.token_logprobs(model, ids, attn, act, temperature)
+    ref = reference_logprobs(model, ids, attn, temperature)
+    assert lp.shape == ids.shape
+    assert torch.equal(lp[~act], torch.zeros_like(lp[~act]))
+    assert torch.allclose(lp[act], ref[act], atol=1e-5, rtol=0), (lp[act] - ref[act]).abs().max()
+    assert (lp[act] < 0).all() and entropy > 0
+    # the active adapter matters: the critic's log-probs are a different function
+    train_min.use_adapter(model, "critic")
+    with torch.no_grad():
+        lp_critic, _ = train_min.token_logprobs(model, ids, attn, act, temperature)
+    assert (lp_critic[act] - lp[act]).abs().max() > 1e-3
+
+
+def test_token_values_read_last_hidden_state_at_previous_position(fresh, hand_batch):
+    tok, model, value_head = fresh
+    ids, attn, turn_ids = hand_batch
+    train_min.use_adapter(model, "critic")
+    with torch.no_grad():
+        v = train_min.token_values(model, value_head, ids, attn)
+    ref = reference_values(model, value_head, ids, attn)
+    real = attn.bool()
+    assert v.shape == ids.shape
+    assert torch.equal(v[:, 0], torch.zeros(2))
+    assert torch.allclose(v[real], ref[real], atol=1e-5, rtol=0), (v[real] - ref[real]).abs().max()
+    assert v[real].abs().max() > 1e-2              # the randomised head gives non-trivial values
+
+
+def test_right_padding_does_not_change_values_or_logprobs_at_real_positions(fresh, hand_batch):
+    tok, model, value_head = fresh
+    ids, attn, turn_ids = hand_batch
+    act = turn_ids >= 0
+    extra = 7
+    ids_p = F.pad(ids, (0, extra), value=tok.pad_token_id)
+    attn_p, act_p = F.pad(attn, (0, extra)), F.pad(act, (0, extra))
+    with torch.no_grad():
+        train_min.use_adapter(model, "critic")
+        v, v_p = (train_min.token_values(model, value_head, i, a) for i, a in ((ids, attn), (ids_p, attn_p)))
+        train_min.use_adapter(model, "policy")
+        lp, _ = train_min.token_logprobs(model, ids, attn, act)
+        lp_p, _ = train_min.token_logprobs(model, ids_p, attn_p, act_p)
+        n1 = int(attn[1].sum())                    # the short row alone, no padding at all
+        train_min.use_adapter(model, "critic")
+        v_solo = train_min.token_values(model, value_head, ids[1:, :n1], attn[1:, :n1])
+    real = attn.bool()
+    assert torch.allclose(v_p[:, :ids.shape[1]][real], v[real], atol=1e-5, rtol=0)
+    assert torch.allclose(lp_p[:, :ids.shape[1]], lp, atol=1e-5, rtol=0)
+    assert torch.equal(lp_p[:, ids.shape[1]:], torch.zeros(2, extra))
+    assert torch.allclose(v_solo[0], v[1, :n1], atol=1e-5, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Masking: observation, prompt and padding tokens get no policy gradient
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("variant", ["mpo", "mpo_token_is", "gspo"])
+def test_policy_loss_gradient_wrt_logp_is_zero_off_action_positions(fresh, hand_batch, tiny_path, base, variant):
+    tok, model, value_head = fresh
+    ids, attn, turn_ids = hand_batch
+    c = make_cfg(tiny_path, base, "--variant", variant)
+    act = turn_ids >= 0
+    g = torch.Generator().manual_seed(3)
+    train_min.use_adapter(model, "policy")
+    logp, _ = train_min.token_logprobs(model, ids, attn, act)
+    logp.retain_grad()
+    old = torch.where(act, logp.detach() + 0.01 * torch.randn(ids.shape, generator=g), 0.0)
+    adv = torch.where(act, torch.randn(ids.shape, generator=g), 0.0)
+    loss, _ = mpo.policy_loss(logp, old, adv, turn_ids, clip_eps=0.2, ratio_level=train_min.ratio_level(c),
+                              clip_eps_high=0.28, num_tokens=act.sum(), validate=False)
+    loss.backward()
+    assert torch.equal(logp.grad[~act], torch.zeros_like(logp.grad[~act]))
+    assert logp.grad[act].abs().max() > 0
+
+
+def _update_grads(model, value_head, batch, c):
+    torch.manual_seed(0)                           # update's minibatch permutation
+    opt = train_min.make_optimizer(model, value_head, c)
+    stats = train_min.update(model, value_head, opt, batch, c)
+    grads = {n: (p.grad.clone() if p.grad is not None else None) for n, p in _trainable(model, value_head).items()}
+    return stats, grads
+
+
+def test_garbage_off_action_positions_changes_neither_loss_nor_lora_gradients(fresh, hand_batch, tiny_path, base):
+    tok, model, value_head = fresh
+    ids, attn, turn_ids = hand_batch
+    # one minibatch, lr 0 (weights stay put, so both calls see the same model), no clipping
+    c = make_cfg(tiny_path, base, "--minibatches", "1", "--lr_policy", "0", "--lr_critic", "0",
+                 "--lr_value_head", "0", "--max_grad_norm", "1e9")
+    act = turn_ids >= 0
+    batch = {"ids": ids, "attn": attn, "turn_ids": turn_ids}
+    train_min.score_batch(model, value_head, batch, c)
+    # behaviour log-probs come from the policy adapter, old values from the critic and value head
+    with torch.no_grad():
+        train_min.use_adapter(model, "policy")
+        assert torch.allclose(batch["old_logp"], train_min.token_logprobs(model, ids, attn, act)[0], atol=1e-6)
+        train_min.use_adapter(model, "critic")
+        assert torch.allclose(batch["values"], train_min.token_values(model, value_head, ids, attn), atol=1e-6)
+    g = torch.Generator().manual_seed(5)
+    batch["advantages"] = torch.where(act, torch.randn(ids.shape, generator=g), 0.0)
+    batch["returns"] = torch.where(act, torch.randn(ids.shape, generator=g), 0.0)
+    stats, grads = _update_grads(model, value_head, batch, c)
+    garbage = dict(batch)
+    for k in ("old_logp", "advantages", "returns", "values"):
+        garbage[k] = torch.where(act, batch[k], 1e3 * torch.randn(ids.shape, generator=g))
+    for p in itertools.chain(model.parameters(), value_head.parameters()):
+        p.grad = None
+    stats_g, grads_g = _update_grads(model, value_head, garbage, c)
+    assert stats["policy_loss"] != 0 and stats["value_loss"] > 0
+    assert stats_g.keys() == stats.keys()
+    for k in stats:
+        assert math.isclose(stats_g[k], stats[k], rel_tol=1e-6, abs_tol=1e-9), (k, stats[k], stats_g[k])
+    n_nonzero = 0
+    for n, gr in grads.items():
+        assert (gr is None) == (grads_g[n] is None), n
+        if gr is not None:
+            assert torch.allclose(grads_g[n], gr, rtol=1e-5, atol=1e-9), n
+            n_nonzero += bool(gr.abs().max() > 0)
+    assert n_nonzero > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# What an update changes: both adapters and the value head, never the 4-bit base
+# ---------------------------------------------------------------------------------------------
+
+def _rollout_batch(model, value_head, tok, c, seed=0):
+    torch.manual_seed(seed)
+    suite = train_min.make_suite(c)
+    trajs = train_min.rollout(model, tok, suite, suite.train[:2], c, 2)
+    batch = train_min.collate(trajs, tok.pad_token_id, CPU)
+    train_min.score_batch(model, value_head, batch, c)
+    act = batch["turn_ids"] >= 0
+    g = torch.Generator().manual_seed(seed + 1)
+    batch["advantages"] = torch.where(act, torch.randn(act.shape, generator=g), 0.0)
+    batch["returns"] = torch.where(act, torch.randn(act.shape, generator=g), 0.0)
+    return batch
+
+
+def _base_state(model) -> dict[str, torch.Tensor]:
+    out = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" not in n}
+    out.update({f"buffer:{n}": b.detach().clone() for n, b in model.named_buffers()})
+    return out
+
+
+def _a_4bit_layer(model):
+    import bitsandbytes as bnb
+    return next(m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit))
+
+
+@pytest.mark.parametrize("variant", ["mpo", "grpo"])
+def test_update_trains_adapters_and_value_head_never_the_base(fresh, tiny_path, base, variant):
+    tok, model, value_head = fresh
+    c = make_cfg(tiny_path, base, "--variant", variant)
+    batch = _rollout_batch(model, value_head, tok, c)
+    layer = _a_4bit_layer(model)
+    assert layer.weight.dtype == torch.uint8       # really 4-bit packed
+    q_bytes, absmax = layer.weight.data.clone(), layer.weight.quant_state.absmax.clone()
+    emb = model.get_input_embeddings().weight.detach().clone()
+    base_before = _base_state(model)
+    before = {n: p.detach().clone() for n, p in _trainable(model, value_head).items()}
+    opt = train_min.make_optimizer(model, value_head, c)
+    stats = train_min.update(model, value_head, opt, batch, c)
+    assert stats["policy_loss"] != 0 and stats["grad_norm"] > 0
+
+    critic_trains = variant != "grpo"
+    groups = {"policy": [], "critic": [], "value_head": []}
+    for n, p in _trainable(model, value_head).items():
+        key = "value_head" if n.startswith("value_head.") else "policy" if ".policy." in n else "critic"
+        groups[key].append((n, p))
+    assert all(groups.values()) and len(groups["policy"]) == len(groups["critic"])
+    for key, items in groups.items():
+        for n, p in items:
+            if key == "policy" or critic_trains:
+                assert p.grad is not None and p.grad.abs().max() > 0, f"{n}: no gradient"
+                assert not torch.equal(p.detach(), before[n]), f"{n}: unchanged"
+            else:
+                assert p.grad is None or not p.grad.any(), f"{n}: gradient without a critic"
+                assert torch.equal(p.detach(), before[n]), f"{n}: changed without a critic"
+    for n, p in model.named_parameters():
+        if "lora_" not in n:
+            assert not p.requires_grad and p.grad is None, n
+    after = _base_state(model)
+    changed = [n for n in base_before if not torch.equal(after[n], base_before[n])]
+    assert not changed, changed
+    assert torch.equal(layer.weight.data, q_bytes) and torch.equal(layer.weight.quant_state.absmax, absmax)
+    assert torch.equal(model.get_input_embeddings().weight, emb)
+
+
+# ---------------------------------------------------------------------------------------------
+# Rollout: sampled ids kept exactly, observations exactly as the template renders them
+# ---------------------------------------------------------------------------------------------
+
+def _spans(turn_ids: list[int]) -> list[tuple[int, int]]:
+    """[start, end) of each turn, in turn order; asserts each turn is one contiguous run."""
+    out = []
+    for k in range(max(turn_ids) + 1):
+        pos = [i for i, t in enumerate(turn_ids) if t == k]
+        assert pos and pos == list(range(pos[0], pos[-1] + 1)), f"turn {k} not contiguous"
+        out.append((pos[0], pos[-1] + 1))
+    return out
+
+
+def _check_layout(t, tok):
+    """ids = prompt + a_0 + o_0 + a_1 + ... + a_{n-1}, observations via observation_ids."""
+    spans = _spans(t.turn_ids)
+    assert t.n_turns == len(spans) and len(t.ids) == len(t.turn_ids)
+    assert t.ids[:spans[0][0]] == train_min.render_ids(tok, t.messages[:2])
+    for k, (s, e) in enumerate(spans):
+        action = t.ids[s:e]
+        msg = t.messages[2 + 2 * k]
+        assert msg["role"] == "assistant" and msg["content"] == tok.decode(action, skip_special_tokens=True)
+        if k + 1 < len(spans):
+            obs_msg = t.messages[3 + 2 * k]
+            kind, query = search_env.parse_action(msg["content"])
+            assert kind == "search" and obs_msg["role"] == "user"
+            assert obs_msg["content"] == search_env.format_information(t.env.search.search(query))
+            expected = train_min.observation_ids(tok, t.messages[:3 + 2 * k], obs_msg["content"], action[-1])
+            assert t.ids[e:spans[k + 1][0]] == expected
+            assert all(x == -1 for x in t.turn_ids[e:spans[k + 1][0]])
+        else:
+            assert e == len(t.ids)                 # nothing after the last turn
+    assert len(t.messages) == 2 + 2 * len(spans) - 1
+
+
+def test_rollout_keeps_every_turns_token_ids_exactly(fresh, tiny_path, base, monkeypatch):
+    tok, model, value_head = fresh
+    c = make_cfg(tiny_path, base, "--max_turns", "3", "--max_new_tokens", "12", "--max_total_tokens", "4096")
+    suite = train_min.make_suite(c)
+    real = train_min.generate_turns
+    q0 = suite.train[0]
+    # half the first turns open with a real search so episodes continue; the rest of every turn is
+    # whatever the model sampled (ids a re-tokenisation would not reproduce)
+    search_prefix = tok(f"<search>{q0.gold_queries[0]}</search>", add_special_tokens=False).input_ids
+    calls = []
+
+    def recording(model_, tok_, prompts, *args, **kwargs):
+        out = real(model_, tok_, prompts, *args, **kwargs)
+        if not calls:
+            out = [search_prefix + o if i % 2 == 0 else o for i, o in enumerate(out)]
+        calls.append(([list(p) for p in prompts], [list(o) for o in out]))
+        return out
+
+    monkeypatch.setattr(train_min, "generate_turns", recording)
+    torch.manual_seed(11)
+    trajs = train_min.rollout(model, tok, suite, suite.train[:3], c, 2)
+    assert len(trajs) == 6 and all(t.done for t in trajs)
+    assert max(t.n_turns for t in trajs) >= 2     # some episodes have observations
+    for k, (prompts, outs) in enumerate(calls):
+        live = [t for t in trajs if t.n_turns > k]
+        assert len(live) == len(outs) == len(prompts)
+        for t, prompt, out in zip(live, prompts, outs):
+            s, e = _spans(t.turn_ids)[k]
+            assert t.ids[s:e] == out                # the returned ids, untouched
+            assert t.ids[:s] == prompt              # exactly what the model was conditioned on
+    for t in trajs:
+        _check_layout(t, tok)
+
+
+def _oracle_generate(tok, questions):
+    """A fake generate_turns replaying each question's oracle turns as token ids; even turns end with
+    the end-of-turn token (a stop-token ending), odd ones without (a stop-string ending)."""
+    prompts = {tuple(train_min.render_ids(tok, search_env.initial_messages(q))): q for q in questions}
+    im_start = tok.convert_tokens_to_ids("<|im_start|>")
+
+    def fake(model, tok_, batch_prompts, *args, **kwargs):
+        out = []
+        for p in batch_prompts:
+            q = next(q for pre, q in prompts.items() if tuple(p[:len(pre)]) == pre)
+            turn = (p.count(im_start) - 3) // 2
+            ids = tok(search_env.oracle_policy(q)[turn], add_special_tokens=False).input_ids
+            out.append(ids + [tok.eos_token_id] if turn % 2 == 0 else ids)
+        return out
+
+    return fake
+
+
+def test_scripted_oracle_episodes_have_several_well_formed_turns(fresh, tiny_path, base, monkeypatch):
+    tok, model, value_head = fresh
+    c = make_cfg(tiny_path, base, "--max_turns", "5", "--max_total_tokens", "8192", "--min_hops", "2", "--max_hops", "4")
+    suite = train_min.make_suite(c)
+    questions = suite.train[:4]
+    monkeypatch.setattr(train_min, "generate_turns", _oracle_generate(tok, questions))
+    trajs = train_min.rollout(model, tok, suite, questions, c, 2)
+    assert len(trajs) == 8
+    for t in trajs:
+        q = questions[t.group]
+        assert t.n_turns == q.hops + 1 >= 3
+        assert t.reward == 1.0 and t.info["em"] == 1.0 and not t.info["malformed"]
+        _check_layout(t, tok)
+        spans = _spans(t.turn_ids)
+        for (_, e), (s, _) in zip(spans, spans[1:]):
+            assert "<information>" in tok.decode(t.ids[e:s])
+        # the ids decode to the chat template's rendering of the conversation
+        text = tok.decode(t.ids)
+        rendered = tok.apply_chat_template(t.messages, tokenize=False)
+        assert rendered.startswith(text) and rendered[len(text):] in ("<|im_end|>\n", "\n")
+    batch = train_min.collate(trajs, tok.pad_token_id, CPU)
+    act = batch["turn_ids"] >= 0
+    assert torch.equal(mpo.turn_ids_from_mask(act), batch["turn_ids"])     # contiguous, ordered turns
+    assert torch.equal(batch["scores"], torch.ones(8))
+    rewards = mpo.outcome_rewards(batch["scores"], batch["turn_ids"])
+    adv, ret = mpo.mpo_advantages(rewards, torch.zeros(act.shape), batch["turn_ids"])   # validates
+    assert torch.isfinite(adv).all() and not adv[~act].any() and adv[act].abs().max() > 0
+
+
+def test_malformed_turn_ends_episode_with_reward_zero(fresh, suite, cfg, monkeypatch):
+    tok, model, value_head = fresh
+    hello = tok("hello", add_special_tokens=False).input_ids + [tok.eos_token_id]
+    calls = []
+
+    def fake(model_, tok_, prompts, *args, **kwargs):
+        calls.append(len(prompts))
+        return [list(hello) for _ in prompts]
+
+    monkeypatch.setattr(train_min, "generate_turns", fake)
+    trajs = train_min.rollout(model, tok, suite, suite.train[:2], cfg, 1)
+    assert calls == [2]
+    for t in trajs:
+        assert t.done and t.n_turns == 1 and t.reward == 0.0
+        assert t.info["malformed"] is True and t.info["em"] == 0.0
+        assert t.ids[-len(hello):] == hello and t.turn_ids.count(0) == len(hello)
+        assert t.turn_ids[-len(hello):] == [0] * len(hello)   # no observation after it
+
+
+# ---------------------------------------------------------------------------------------------
+# pass@k and pass^k
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n,c,k,expected", [
+    (4, 0, 1, 0.0), (4, 1, 1, 0.25), (4, 1, 2, 0.5), (4, 2, 2, 5 / 6), (4, 4, 1, 1.0),
+    (5, 2, 2, 0.7), (4, 3, 2, 1.0), (10, 1, 10, 1.0), (1, 1, 1, 1.0), (1, 0, 1, 0.0),
+])
+def test_pass_at_k_hand_values(n, c, k, expected):
+    assert math.isclose(train_min.pass_at_k(n, c, k), expected, abs_tol=1e-12)
+
+
+@pytest.mark.parametrize("n,c,k,expected", [
+    (4, 2, 2, 1 / 6), (4, 4, 2, 1.0), (4, 1, 2, 0.0), (4, 3, 2, 0.5), (5, 3, 3, 0.1), (4, 2, 1, 0.5),
+])
+def test_pass_hat_k_hand_values(n, c, k, expected):
+    assert math.isclose(train_min.pass_hat_k(n, c, k), expected, abs_tol=1e-12)
+
+
+def test_pass_at_k_and_pass_hat_k_equal_exact_expectation_over_all_subsets():
+    for n in range(1, 8):
+        for c in range(n + 1):
+            outcomes = [1] * c + [0] * (n - c)
+            for k in range(1, n + 1):
+                subsets = list(itertools.combinations(outcomes, k))
+                any_ok = sum(any(s) for s in subsets) / len(subsets)
+                all_ok = sum(all(s) for s in subsets) / len(subsets)
+                assert math.isclose(train_min.pass_at_k(n, c, k), any_ok, abs_tol=1e-12), (n, c, k)
+                assert math.isclose(train_min.pass_hat_k(n, c, k), all_ok, abs_tol=1e-12), (n, c, k)
+
+
+# ---------------------------------------------------------------------------------------------
+# main: the tiny preset end to end, exact resume, refused checkpoints
+# ---------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def full_run(e2e, base):
+    out = base / "full"
+    last = run_main(["--preset", "tiny", "--out_dir", str(out)])
+    return out, last
+
+
+def test_tiny_preset_end_to_end_writes_metrics_and_complete_checkpoints(full_run):
+    out, last = full_run
+    for key in ("train/reward", "val/pass@1", "loss/policy_loss", "step"):
+        assert key in last, key
+    assert last["step"] == 4
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert json.dumps(rows[-1], sort_keys=True) == json.dumps(last, sort_keys=True)
+    assert ["val/pass@1" in r for r in rows] == [False, True, False, True]       # eval_every 2
+    for r in rows:
+        assert 0.0 <= r["train/reward"] <= 1.0 and math.isfinite(r["loss/policy_loss"])
+    ckpts = out / "checkpoints"
+    assert (ckpts / "latest").read_text().strip() == "step_000004"
+    assert sorted(p.name for p in ckpts.iterdir() if p.is_dir()) == ["step_000002", "step_000004"]
+    from safetensors.torch import load_file
+    for name in ("step_000002", "step_000004"):
+        ck = ckpts / name
+        for part in ("adapters/policy/adapter_model.safetensors", "adapters/critic/adapter_model.safetensors",
+                     "value_head.safetensors", "trainer_state.pt", "state.json"):
+            assert (ck / part).is_file(), f"{name}/{part}"
+        assert json.loads((ck / "state.json").read_text())["step"] == int(name.split("_")[1])
+        assert set(load_file(ck / "value_head.safetensors")) == {"linear.weight", "linear.bias"}
+        assert load_file(ck / "adapters" / "policy" / "adapter_model.safetensors")
+        assert load_file(ck / "adapters" / "critic" / "adapter_model.safetensors")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["preset"] == "tiny" and cfg["steps"] == 4
+
+
+def _stable(row: dict) -> str:
+    return json.dumps({k: v for k, v in row.items() if not k.startswith(VOLATILE)}, sort_keys=True)
+
+
+@pytest.fixture
+def parity_reward(monkeypatch):
+    """A random tiny model only writes malformed turns (reward 0, so zero advantages and gradients);
+    reward the parity of the turn's length instead, so updates and optimiser state are non-trivial."""
+    real = search_env.SearchEnv.step
+
+    def step(self, text):
+        res = real(self, text)
+        if res.done:
+            res.reward = float(len(text) % 2)
+        return res
+
+    monkeypatch.setattr(search_env.SearchEnv, "step", step)
+
+
+def test_resume_reproduces_an_uninterrupted_run_exactly(e2e, full_run, base, parity_reward):
+    """All three runs find the tiny model already built (by full_run): see the cold-cache test."""
+    from safetensors.torch import load_file
+    # the last step of a run also evaluates and logs the critic's turn structure: do both every step
+    args = ["--preset", "tiny", "--eval_every", "1", "--structure_every", "1"]
+    split, whole = base / "resume_split", base / "resume_whole"
+    run_main(args + ["--steps", "2", "--out_dir", str(split)])
+    last = run_main(args + ["--steps", "4", "--resume", "--out_dir", str(split)])
+    run_main(args + ["--steps", "4", "--out_dir", str(whole)])
+    rows_s = [json.loads(x) for x in (split / "metrics.jsonl").read_text().splitlines()]
+    rows_w = [json.loads(x) for x in (whole / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows_s] == [r["step"] for r in rows_w] == [1, 2, 3, 4]
+    assert last["step"] == 4
+    assert any(r["loss/grad_norm"] > 0 and r["loss/value_loss"] > 0 for r in rows_w[2:])   # real updates
+    for a, b in zip(rows_s, rows_w):
+        assert _stable(a) == _stable(b), f"step {a['step']} differs"
+    for part in ("adapters/policy/adapter_model.safetensors", "adapters/critic/adapter_model.safetensors",
+                 "value_head.safetensors"):
+        sa, sb = (load_file(d / "checkpoints" / "step_000004" / part) for d in (split, whole))
+        assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa), part
+
+
+def test_same_seed_gives_the_same_run_whether_or_not_the_tiny_model_was_cached(e2e, base, monkeypatch):
+    monkeypatch.setenv("MPO_CACHE", str(base / "cold-cache"))    # a cache miss: this run builds the model
+    args = ["--preset", "tiny", "--steps", "1", "--eval_every", "1"]
+    cold = run_main(args + ["--out_dir", str(base / "cold")])
+    warm = run_main(args + ["--out_dir", str(base / "warm")])     # same model, now from the cache
+    assert _stable(cold) == _stable(warm)
+
+
+def test_resume_refuses_a_checkpoint_missing_its_value_head(e2e, full_run, base):
+    src, _ = full_run
+    out = base / "broken"
+    shutil.copytree(src, out)
+    (out / "checkpoints" / "step_000004" / "value_head.safetensors").unlink()
+    metrics = (out / "metrics.jsonl").read_text()
+    with pytest.raises(ValueError, match=r"value_head\.safetensors"):
+        run_main(["--preset", "tiny", "--resume", "--out_dir", str(out)])
+    assert (out / "metrics.jsonl").read_text() == metrics
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI failure modes
+# ---------------------------------------------------------------------------------------------
+
+def test_default_run_without_gpu_exits_2_with_one_hint(tmp_path):
+    env = dict(os.environ, HF_HUB_OFFLINE="1", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, str(ROOT / "train_min.py")], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    hint = [line for line in proc.stderr.splitlines() if "--preset tiny" in line]
+    assert len(hint) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert list(tmp_path.iterdir()) == []          # no run folder created
+
+
+def test_unknown_variant_is_a_value_error_naming_the_flag():
+    with pytest.raises(ValueError, match="--variant"):
+        train_min.parse_config(["--variant", "nope"])
+    with pytest.raises(ValueError, match="--preset"):
+        train_min.parse_config(["--preset", "huge"])
