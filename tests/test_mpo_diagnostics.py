@@ -1,0 +1,166 @@
+"""Diagnostics: turn_value_structure (the Appendix C statistics of §1 / §3) and explained_variance,
+on hand-built values where every statistic is known exactly, and against the loop reference.
+
+Tolerances: hand cases 1e-12; loop reference 1e-10.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from hypothesis import given
+
+import mpo
+import reference as ref
+from conftest import batches
+
+F64 = torch.float64
+KEYS = {"between_share_token_median", "between_share_equal_median", "between_exceeds_within_frac",
+        "boundary_share_sq_changes", "boundary_jump_exceeds_span_frac", "n_trajectories", "n_turns"}
+
+
+def build(rows, T=None, junk=1e3):
+    """rows: list of lists of segments; a segment is a list of turn values, or an int n for n
+    non-action positions (filled with junk values). Returns (values, turn_ids)."""
+    vals, tids = [], []
+    for row in rows:
+        v, t, k = [], [], 0
+        for seg in row:
+            if isinstance(seg, int):
+                v += [junk] * seg
+                t += [-1] * seg
+            else:
+                v += list(seg)
+                t += [k] * len(seg)
+                k += 1
+        vals.append(v)
+        tids.append(t)
+    T = T or max(len(t) for t in tids)
+    values = torch.tensor([v + [junk] * (T - len(v)) for v in vals], dtype=F64)
+    turn_ids = torch.tensor([t + [-1] * (T - len(t)) for t in tids], dtype=torch.int64)
+    return values, turn_ids
+
+
+def check(out, expected, atol=1e-12):
+    assert set(out) >= KEYS, set(out)
+    for k, e in expected.items():
+        if isinstance(e, int):
+            assert out[k] == e, (k, out[k], e)
+        else:
+            assert abs(float(out[k]) - e) <= atol, (k, float(out[k]), e)
+
+
+def test_turn_value_structure_values_constant_within_turns_are_all_between_turn():
+    values, turn_ids = build([
+        [2, [1.0, 1.0, 1.0], 3, [3.0, 3.0]],
+        [[0.0, 0.0], 1, [1.0, 1.0], 2, [-1.0]],
+        [1, [2.0] * 4, 1, [2.5] * 3, 4],
+        [[5.0, 6.0, 7.0]],  # one turn: only enters the pooled adjacent changes
+        [6],  # no turn at all
+    ])
+    out = mpo.turn_value_structure(values, turn_ids)
+    # boundary Δv²: 4 (row 0) + 1 + 4 (row 1) + 0.25 (row 2); within: 1 + 1 (row 3)
+    check(out, {"between_share_token_median": 1.0, "between_share_equal_median": 1.0,
+                "between_exceeds_within_frac": 1.0, "boundary_share_sq_changes": 9.25 / 11.25,
+                "boundary_jump_exceeds_span_frac": 1.0, "n_trajectories": 3, "n_turns": 7})
+    check(out, ref.turn_value_structure(values, turn_ids))
+
+
+def test_turn_value_structure_equal_turn_means_have_no_between_share():
+    values, turn_ids = build([
+        [[0.0, 2.0], 2, [2.0, 0.0]],
+        [1, [1.0, -1.0, 0.0], 1, [0.0], 3, [-1.0, 1.0]],
+        [[3.0, 5.0], 1, [5.0, 3.0], 1],
+    ])
+    out = mpo.turn_value_structure(values, turn_ids)
+    # Δv² within: 4+4, 4+1+4, 4+4 = 26; boundary: 0, 0+1, 0 = 1.
+    # row 1: mean boundary jump 0.5 < mean span (1.8 + 0 + 1.8) / 3 = 1.2 (P95 − P05 of [1,-1,0] = 1.8)
+    check(out, {"between_share_token_median": 0.0, "between_share_equal_median": 0.0,
+                "between_exceeds_within_frac": 0.0, "boundary_share_sq_changes": 1 / 26,
+                "boundary_jump_exceeds_span_frac": 0.0, "n_trajectories": 3, "n_turns": 7})
+    check(out, ref.turn_value_structure(values, turn_ids))
+
+
+def test_turn_value_structure_mixed_rows_take_the_median_and_fractions():
+    values, turn_ids = build([
+        [[0.0, 1.0], 2, [3.0, 4.0]],  # shares 9/10 and 2.25/2.5, jump 2 > span 0.9
+        [[1.0, 1.0], 1, [2.0, 2.0]],  # shares 1, jump 1 > span 0
+        [[0.0, 2.0], 2, [2.0, 0.0]],  # shares 0, jump 0 < span 1.8
+    ])
+    out = mpo.turn_value_structure(values, turn_ids)
+    # pooled Δv²: row 0: 1 (w) + 4 (b) + 1 (w); row 1: 1 (b); row 2: 4 + 0 (b) + 4
+    check(out, {"between_share_token_median": 0.9, "between_share_equal_median": 0.9,
+                "between_exceeds_within_frac": 2 / 3, "boundary_share_sq_changes": 5 / 15,
+                "boundary_jump_exceeds_span_frac": 2 / 3, "n_trajectories": 3, "n_turns": 6})
+
+
+def test_turn_value_structure_median_of_an_even_count_is_the_mean_of_the_middle_two():
+    values, turn_ids = build([
+        [[1.0, 1.0], 1, [2.0, 2.0]],  # share 1
+        [[0.0, 2.0], 2, [2.0, 0.0]],  # share 0
+    ])
+    out = mpo.turn_value_structure(values, turn_ids)
+    check(out, {"between_share_token_median": 0.5, "between_share_equal_median": 0.5,
+                "between_exceeds_within_frac": 0.5, "n_trajectories": 2, "n_turns": 4})
+
+
+def test_turn_value_structure_token_and_equal_weighting_differ_as_defined():
+    # turn 0: 4 tokens [0, 0, 2, 2] (mean 1, var 1); turn 1: 1 token [4]; v̄ = 8/5
+    values, turn_ids = build([[[0.0, 0.0, 2.0, 2.0], 1, [4.0]]])
+    out = mpo.turn_value_structure(values, turn_ids)
+    between = 4 * (1 - 1.6) ** 2 + (4 - 1.6) ** 2  # 7.2
+    total = 2 * 1.6 ** 2 + 2 * 0.4 ** 2 + 2.4 ** 2  # 11.2
+    var_m = 2.25  # population variance of turn means [1, 4]
+    eq = var_m / (var_m + (1.0 + 0.0) / 2)
+    # P95 − P05 of [0, 0, 2, 2]: positions 2.85 and 0.15 -> 2 − 0 = 2; of [4]: 0; jump |4 − 2| = 2 > 1
+    check(out, {"between_share_token_median": between / total, "between_share_equal_median": eq,
+                "between_exceeds_within_frac": 1.0, "boundary_share_sq_changes": 4 / 8,
+                "boundary_jump_exceeds_span_frac": 1.0, "n_trajectories": 1, "n_turns": 2})
+    assert abs(out["between_share_token_median"] - out["between_share_equal_median"]) > 0.1
+
+
+def test_turn_value_structure_quantile_span_uses_linear_interpolation():
+    # turn 0: values 0..19 -> P95 − P05 = 18.05 − 0.95 = 17.1 ; turn 1: [0] -> 0; mean span 8.55.
+    # A boundary jump of 8.6 exceeds it, 8.5 does not (nearest-rank quantiles would give 18 − 1 = 17).
+    for jump, exceeds in ((8.6, 1.0), (8.5, 0.0)):
+        values, turn_ids = build([[[float(i) for i in range(20)], 1, [19.0 + jump]]])
+        out = mpo.turn_value_structure(values, turn_ids)
+        check(out, {"boundary_jump_exceeds_span_frac": exceeds})
+
+
+@given(batches(min_turns=2))
+def test_turn_value_structure_matches_loop_reference(b):
+    out = mpo.turn_value_structure(b.values, b.turn_ids)
+    expected = ref.turn_value_structure(b.values, b.turn_ids)
+    check(out, expected, atol=1e-10)
+
+
+@given(batches(min_turns=2))
+def test_turn_value_structure_ignores_non_action_positions(b):
+    junk = torch.where(b.turn_ids >= 0, b.values, -b.values * 7 + 3)
+    assert mpo.turn_value_structure(b.values, b.turn_ids) == mpo.turn_value_structure(junk, b.turn_ids)
+
+
+# --- explained variance --------------------------------------------------------------------------
+def test_explained_variance_by_hand():
+    turn_ids = torch.tensor([[0, -1, 1, 1, -1]])
+    returns = torch.tensor([[1.0, 50.0, 2.0, 3.0, -9.0]], dtype=F64)
+    values = torch.tensor([[1.0, -50.0, 2.0, 4.0, 9.0]], dtype=F64)
+    # R − V = [0, 0, −1]: Var = 2/9; Var R = 2/3 -> 1 − 1/3
+    assert abs(float(mpo.explained_variance(values, returns, turn_ids)) - 2 / 3) <= 1e-12
+    assert abs(float(mpo.explained_variance(returns, returns, turn_ids)) - 1.0) <= 1e-12
+    const = torch.full_like(values, 0.7)
+    assert abs(float(mpo.explained_variance(const, returns, turn_ids)) - 0.0) <= 1e-12
+
+
+@given(batches())
+def test_explained_variance_matches_loop_reference(b):
+    g = torch.Generator().manual_seed(b.seed)
+    returns = b.values + 0.5 * torch.randn(b.values.shape, generator=g, dtype=F64)
+    if int((b.turn_ids >= 0).sum()) < 2:
+        return
+    ev = mpo.explained_variance(b.values, returns, b.turn_ids)
+    assert ev.dim() == 0 and ev.dtype == F64
+    e = ref.explained_variance(b.values, returns, b.turn_ids)
+    assert math.isclose(float(ev), e, abs_tol=1e-10), (float(ev), e)
