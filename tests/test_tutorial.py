@@ -36,3 +36,10 @@ def test_api_doc_examples_match_mpo(monkeypatch):
                               optionflags=doctest.NORMALIZE_WHITESPACE, verbose=False)
     assert result.attempted > 30, f"only {result.attempted} examples found in docs/api.md"
     assert result.failed == 0, f"{result.failed} of {result.attempted} docs/api.md examples failed (see output)"
+
+
+def test_equations_page_line_ranges_point_at_the_functions():
+    """docs/equations.md's table links each function to its lines in mpo.py; stale ranges fail."""
+    rc = subprocess.run([sys.executable, str(ROOT / "docs" / "refresh_line_refs.py"), "--check"],
+                        capture_output=True, text=True)
+    assert rc.returncode == 0, rc.stderr
