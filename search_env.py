@@ -587,13 +587,14 @@ def _hotpot_split(records: list[dict[str, Any]], name: str) -> Split:
 
 
 def load_hotpotqa(split: str = "validation", n: int | None = None,
-                  path: str | Path | None = None) -> Split:
+                  path: str | Path | None = None, skip: int = 0) -> Split:
     """HotpotQA (distractor setting) as a ``Split``: its questions, and a corpus of all their
     paragraphs (10 per question, 2 of them gold), searched with ``BM25Search(split.docs)``.
 
     With ``path``, read a local JSON list in the HF ``hotpot_qa`` "distractor" layout or the
     original one (``_id``, context as [[title, sentences], ...]); otherwise download it with
-    ``datasets``. ``n`` keeps the first n records.
+    ``datasets``. Keeps records ``skip`` .. ``skip + n`` (all from ``skip`` if n is None), so one
+    local file can give disjoint train and validation splits.
     """
     if path is not None:
         try:
@@ -610,8 +611,11 @@ def load_hotpotqa(split: str = "validation", n: int | None = None,
                               "pip install datasets (or pass path= to a local JSON file)") from None
         # The hub's current id for what older code loads as "hotpot_qa" (which redirects there).
         records = datasets.load_dataset("hotpotqa/hotpot_qa", "distractor", split=split)
-        records = records.select(range(min(n, len(records)))) if n is not None else records
-    return _hotpot_split(list(records)[:n], name=f"hotpotqa-{split}")
+        stop = len(records) if n is None else min(skip + n, len(records))
+        records = records.select(range(min(skip, stop), stop))
+        skip = 0
+    records = list(records)[skip:]
+    return _hotpot_split(records[:n] if n is not None else records, name=f"hotpotqa-{split}")
 
 
 # --------------------------------------------------------------------------------------------
