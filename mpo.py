@@ -120,11 +120,11 @@ def reverse_scan(b: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
 
     Example: b = [1, 1, 1], a = [0.5, 0.5, 0.5] -> x = [1.75, 1.5, 1.0].
     """
-    x, a = b, a
+    x, a = b.clone(), a.clone()                     # updated in place below: 2-4x less memory traffic
     n, d = b.shape[-1], 1
     while d < n:
-        x = x + a * F.pad(x[..., d:], (0, d))       # x_i += (a_i...a_{i+d-1}) x_{i+d}
-        a = a * F.pad(a[..., d:], (0, d))           # a_i  = a_i...a_{i+2d-1}
+        x[..., :-d] += a[..., :-d] * x[..., d:]     # x_i += (a_i...a_{i+d-1}) x_{i+d}; the product is
+        a[..., :-d] = a[..., :-d] * a[..., d:]      # a_i  = a_i...a_{i+2d-1}     formed before the write
         d *= 2
     return x
 
@@ -399,7 +399,7 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> tor
 
 def mpo_advantages(rewards: torch.Tensor, values: torch.Tensor, turn_ids: torch.Tensor,
                    lam: float = 0.8, lam_intra: float = 0.95, beta: float = 1.0, whiten: bool = True,
-                   *, validate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                   *, num_turns: int | None = None, validate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """MPO advantages: stages 1–5 composed, then optional whitening over the batch (§5).
 
     Defaults are the paper's reference setting (λ, λ_intra, β) = (0.80, 0.95, 1.00) (§7).
@@ -410,6 +410,9 @@ def mpo_advantages(rewards: torch.Tensor, values: torch.Tensor, turn_ids: torch.
         values: (B, T) float critic values V_{t,i} (read at action tokens only).
         turn_ids: (B, T) int64.
         lam, lam_intra: λ, λ_intra in [0, 1]; beta: β >= 0; whiten: standardise the advantages.
+        num_turns: an upper bound on any row's turn count (e.g. your environment's turn limit).
+            Without it, validation reads the exact count, and with validate=False the turn axis
+            is T wide (no sync, but a longer scan); with it, neither.
     Returns:
         advantages: (B, T) A^MAE (whitened if `whiten`), 0 off action positions.
         returns: (B, T) values + A^MAE before whitening: the critic's regression target.
@@ -420,8 +423,11 @@ def mpo_advantages(rewards: torch.Tensor, values: torch.Tensor, turn_ids: torch.
         if not isinstance(beta, (int, float)) or isinstance(beta, bool) or not beta >= 0 or math.isinf(beta):
             raise ValueError(f"beta must be a finite number >= 0, got {beta!r}")
         K = _validate_rewards_values(rewards, values, turn_ids)
+        if num_turns is not None and num_turns < K:
+            raise ValueError(f"num_turns={num_turns} but turn_ids holds {K} turns")
     else:
         K = turn_ids.shape[1]                      # an upper bound on the turn count: no sync
+    K = num_turns if num_turns is not None else K
     act = turn_ids >= 0
     delta = token_td_residuals(rewards, values, turn_ids, validate=False)                # (B, T)
     delta_turn, turn_mask = turn_residual_sums(delta, turn_ids, K, validate=False)       # (B, K)

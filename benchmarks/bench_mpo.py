@@ -86,6 +86,7 @@ def compare(fns, device, repeats):
 def bench_advantages(B, T, device, repeats):
     turn_ids, values, rewards = make_batch(B, T, device)
     act = turn_ids >= 0
+    K = int(turn_ids.max()) + 1            # a trainer knows its turn limit; passed as num_turns
     # Same numbers first: with one token per turn MPO's turn GAE is the loop GAE; here we just
     # check the loop reference against mpo.token_gae on this batch (same recursion).
     ref, _ = loop_gae(rewards, values, act)
@@ -93,8 +94,9 @@ def bench_advantages(B, T, device, repeats):
     assert torch.allclose(ref, ours, atol=1e-3), "loop GAE and mpo.token_gae disagree"
     t = compare({
         "loop_gae": lambda: loop_gae(rewards, values, act),
-        "mpo_advantages": lambda: mpo.mpo_advantages(rewards, values, turn_ids, validate=False),
+        "mpo_advantages": lambda: mpo.mpo_advantages(rewards, values, turn_ids, num_turns=K, validate=False),
         "mpo_advantages+validate": lambda: mpo.mpo_advantages(rewards, values, turn_ids),
+        "mpo_advantages_K=T": lambda: mpo.mpo_advantages(rewards, values, turn_ids, validate=False),
         "token_gae": lambda: mpo.token_gae(rewards, values, act, validate=False),
     }, device, repeats)
     return t
@@ -118,19 +120,23 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small shapes (smoke run)")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     shapes = [(8, 512)] if args.quick else [(64, 4096), (256, 8192)]
     devices = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
     print(f"torch {torch.__version__}, {platform.processor() or platform.machine()}, "
           f"{torch.get_num_threads()} threads, median of {args.repeats} interleaved repeats, float32")
-    print(f"{'device':6} {'B':>4} {'T':>5} | {'loop GAE':>9} {'mpo_adv':>9} {'+valid.':>9} {'tok_gae':>9} "
+    print("mpo_adv: validate=False, num_turns=K; +valid.: validate=True; K=T: validate=False without num_turns")
+    print(f"{'device':6} {'B':>4} {'T':>5} | {'loop GAE':>9} {'mpo_adv':>9} {'+valid.':>9} {'K=T':>9} {'tok_gae':>9} "
           f"{'speed-up':>8} | {'loss tok':>9} {'turn':>9} {'seq':>9} {'turn/tok':>8}")
     for device in devices:
         for B, T in shapes:
             a = bench_advantages(B, T, device, args.repeats)
             l = bench_loss(B, T, device, args.repeats)
             print(f"{device.type:6} {B:>4} {T:>5} | {a['loop_gae']*1e3:8.1f}ms {a['mpo_advantages']*1e3:7.1f}ms "
-                  f"{a['mpo_advantages+validate']*1e3:7.1f}ms {a['token_gae']*1e3:7.1f}ms "
+                  f"{a['mpo_advantages+validate']*1e3:7.1f}ms {a['mpo_advantages_K=T']*1e3:7.1f}ms {a['token_gae']*1e3:7.1f}ms "
                   f"{a['loop_gae']/a['mpo_advantages']:7.1f}x | {l['token']*1e3:7.1f}ms {l['turn']*1e3:7.1f}ms "
                   f"{l['sequence']*1e3:7.1f}ms {l['turn']/l['token']:7.2f}x", flush=True)
 

@@ -480,3 +480,17 @@ def test_cuda_matches_cpu_float64():
         close(g.cpu(), c, atol=1e-10)
     gpu32 = mpo.mpo_advantages(b.rewards.cuda().bfloat16(), b.values.cuda().bfloat16(), b.turn_ids.cuda())
     assert gpu32[0].dtype == torch.float32
+
+
+def test_mpo_advantages_num_turns_bound_changes_nothing():
+    """num_turns is only a size hint: any bound >= the true turn count gives the same numbers."""
+    turn_ids = torch.tensor([[-1, 0, 0, -1, 1, 1, 1, -1, 2], [0, 0, -1, 1, -1, -1, -1, -1, -1]])
+    g = torch.Generator().manual_seed(0)
+    values = torch.randn(2, 9, generator=g, dtype=torch.float64)
+    rewards = mpo.outcome_rewards(torch.tensor([1.0, 0.0], dtype=torch.float64), turn_ids)
+    ref = mpo.mpo_advantages(rewards, values, turn_ids)
+    for K, validate in ((3, True), (3, False), (9, False), (50, True)):
+        got = mpo.mpo_advantages(rewards, values, turn_ids, num_turns=K, validate=validate)
+        torch.testing.assert_close(got, ref, rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="num_turns"):
+        mpo.mpo_advantages(rewards, values, turn_ids, num_turns=2)
