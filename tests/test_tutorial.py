@@ -43,3 +43,16 @@ def test_equations_page_line_ranges_point_at_the_functions():
     rc = subprocess.run([sys.executable, str(ROOT / "docs" / "refresh_line_refs.py"), "--check"],
                         capture_output=True, text=True)
     assert rc.returncode == 0, rc.stderr
+
+
+def test_api_reference_signatures_match_mpo():
+    """Every `## \\`name\\`` section of docs/api.md opens with the function's exact signature."""
+    import inspect
+    import re
+    sys.path.insert(0, str(ROOT))
+    import mpo
+    text = (ROOT / "docs" / "api.md").read_text()
+    sections = re.findall(r"^## `(\w+)`\n\n```python\n(.+?)\n```", text, re.M)
+    assert len(sections) >= 17
+    for name, documented in sections:
+        assert documented == f"{name}{inspect.signature(getattr(mpo, name), eval_str=True)}", name
