@@ -53,7 +53,7 @@ VARIANTS = ("mpo", "mpo_token_is", "mpo_beta0", "ppo", "grpo", "gspo")
 @dataclass
 class Config:
     # --- run ---
-    preset: str = field(default="default", metadata={"help": "default (GPU, the paper's §10 run) | tiny (CPU demo: tiny random Qwen, < 2 min)"})
+    preset: str = field(default="default", metadata={"help": "default (GPU, the paper's §10 run) | tiny (CPU demo: tiny random Qwen, < 2 min) | testbed (CPU credit-assignment task, docs/testbed.md)"})
     variant: str = field(default="mpo", metadata={"help": "mpo (A) | mpo_token_is (B) | mpo_beta0 (C) | ppo | grpo | gspo"})
     seed: int = field(default=0, metadata={"help": "seed for sampling, data order and initialisation"})
     steps: int = field(default=150, metadata={"help": "policy updates (§10: 100-150 steps)"})
@@ -67,8 +67,14 @@ class Config:
     gradient_checkpointing: bool = field(default=True, metadata={"help": "recompute activations in backward to fit 24 GB"})
     enable_thinking: bool = field(default=False, metadata={"help": "Qwen3 chat template: allow <think> blocks"})
     # --- data / environment ---
-    dataset: str = field(default="synthetic", metadata={"help": "synthetic (embedded fictional KB) | hotpotqa"})
+    dataset: str = field(default="synthetic", metadata={"help": "synthetic (embedded fictional KB) | hotpotqa | testbed (testbed_env.py)"})
     hotpotqa_path: str = field(default="", metadata={"help": "local HotpotQA JSON (else the hub via `datasets`)"})
+    # --- testbed (dataset=testbed): K turns of L tokens, the first token of each turn the key ---
+    testbed_turns: int = field(default=3, metadata={"help": "testbed: K, turns per episode (one key each)"})
+    testbed_turn_len: int = field(default=4, metadata={"help": "testbed: L, tokens per turn (1 key + L-1 filler); sets max_new_tokens"})
+    testbed_keys: int = field(default=8, metadata={"help": "testbed: clue/key pairs of the hidden mapping (chance ~ 1/vocab)"})
+    testbed_streaming: bool = field(default=False, metadata={"help": "testbed: feedback after every token (§11): K*L one-token turns"})
+    testbed_feedback: bool = field(default=True, metadata={"help": "testbed: the reply after a key says ok/no (an observation; the reward stays at the end)"})
     n_train: int = field(default=200, metadata={"help": "training questions (§10: 200)"})
     n_val: int = field(default=50, metadata={"help": "validation questions (§10: 50), from a disjoint knowledge base"})
     min_hops: int = field(default=2, metadata={"help": "fewest searches a question needs (§10: 2-4)"})
@@ -119,10 +125,10 @@ class Config:
     def __post_init__(self):
         if self.variant not in VARIANTS:
             raise ValueError(f"--variant must be one of {VARIANTS}, got {self.variant!r}")
-        if self.preset not in ("default", "tiny"):
-            raise ValueError(f"--preset must be 'default' or 'tiny', got {self.preset!r}")
-        if self.dataset not in ("synthetic", "hotpotqa"):
-            raise ValueError(f"--dataset must be 'synthetic' or 'hotpotqa', got {self.dataset!r}")
+        if self.preset not in ("default", "tiny", "testbed"):
+            raise ValueError(f"--preset must be 'default', 'tiny' or 'testbed', got {self.preset!r}")
+        if self.dataset not in ("synthetic", "hotpotqa", "testbed"):
+            raise ValueError(f"--dataset must be 'synthetic', 'hotpotqa' or 'testbed', got {self.dataset!r}")
         if self.variant == "mpo_beta0":
             self.beta = 0.0
         if not self.out_dir:
@@ -140,13 +146,28 @@ TINY = dict(  # a CPU demo of the whole loop, not a result: random weights learn
     lr_critic=1e-3, gradient_checkpointing=False,
 )
 
+# --- testbed preset (testbed_env.py, docs/testbed.md): a random tiny model learns the task from scratch ---
+# temperature: the random base's logits span only about ±1.3 nats (init std 0.02, frozen final norm
+# and lm_head), so at T = 1 no LoRA can make the policy confident; T = 0.25 scales them to ±5 (log-probs
+# use the same scaling, so the trained policy is exactly the sampled one). kl_coef: without a KL pull
+# towards the initial policy, some seeds collapse onto a wrong key for a clue and never sample the
+# right one again (measured with 4 keys: seeds 1 and 2 stuck at 0.7 success for 60 updates at
+# kl_coef 0, both at 1.0 with 0.1; docs/testbed.md).
+TESTBED = dict(
+    model="tiny", dataset="testbed", load_in_4bit=False, gradient_checkpointing=False, cpu_threads=1,
+    steps=60, n_train=64, n_val=32, questions_per_step=8, n_rollouts=8, max_total_tokens=1024,
+    minibatches=2, micro_batch_size=64, rollout_batch_size=64, eval_every=5, greedy_eval=True,
+    structure_every=10, save_every=1000, lora_r=8, lora_alpha=16, lr_policy=3e-3, lr_critic=3e-3,
+    lr_value_head=3e-3, temperature=0.25, kl_coef=0.1,
+)
+
 
 def parse_config(argv=None) -> Config:
     from transformers import HfArgumentParser
     (cfg,) = HfArgumentParser(Config).parse_args_into_dataclasses(args=argv)
-    if cfg.preset == "tiny":   # preset values apply unless the flag was given explicitly
+    if cfg.preset in ("tiny", "testbed"):   # preset values apply unless the flag was given explicitly
         given = {a.lstrip("-").split("=")[0].replace("-", "_") for a in (argv or sys.argv[1:]) if a.startswith("--")}
-        for k, v in TINY.items():
+        for k, v in (TINY if cfg.preset == "tiny" else TESTBED).items():
             if k not in given:
                 setattr(cfg, k, v)
     return cfg
@@ -187,31 +208,36 @@ CHAT_TEMPLATE = (  # Qwen's ChatML layout, for the tiny offline tokenizer
 )
 
 
-TINY_BUILD = {"hidden": 64, "layers": 2, "vocab": 1024, "warm_steps": 150, "batch": 12, "lr": 3e-3}   # cache key too
+TINY_BUILD = {"hidden": 64, "layers": 2, "vocab": 1024, "warm_steps": 150, "batch": 12, "lr": 3e-3, "marker": 1}   # cache key too
+TINY_MARKER = "mpo_tiny_model.json"   # in a built tiny model's folder: load its tokenizer as built
 
 
 def build_tiny_model(path: Path, corpus: list[str], seed: int = 0, warm_start: list[list[dict]] = (),
-                     warm_steps: int = TINY_BUILD["warm_steps"]) -> str:
+                     warm_steps: int = TINY_BUILD["warm_steps"], tokenizer=None) -> str:
     """A tiny random Qwen2 (hidden 64, 2 layers) and a byte-level BPE tokenizer trained on `corpus`,
     saved to `path` so the tiny preset loads through exactly the code path of a hub model.
 
     `warm_start`: chat episodes (e.g. scripted oracle episodes on the *training* knowledge base) to
     fit for `warm_steps` steps first, so the tiny policy writes the <search>/<answer> protocol and
-    its rollouts have several turns; a random model only writes malformed one-turn episodes."""
+    its rollouts have several turns; a random model only writes malformed one-turn episodes.
+    `tokenizer`: use this tokenizer (with its chat template) instead of training a BPE on `corpus`
+    (the testbed's word-level one); the model's vocabulary is len(tokenizer) either way."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
     if (path / "config.json").exists():
         return str(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    bpe.train_from_iterator(corpus, trainers.BpeTrainer(
-        vocab_size=TINY_BUILD["vocab"], special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                  padding_side="left")
-    tok.chat_template = CHAT_TEMPLATE
+    tok = tokenizer
+    if tok is None:
+        specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+        bpe = Tokenizer(models.BPE())
+        bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        bpe.decoder = decoders.ByteLevel()
+        bpe.train_from_iterator(corpus, trainers.BpeTrainer(
+            vocab_size=TINY_BUILD["vocab"], special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+        tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                      padding_side="left")
+        tok.chat_template = CHAT_TEMPLATE
     config = AutoConfig.for_model("qwen2", vocab_size=len(tok), hidden_size=TINY_BUILD["hidden"],
                                   intermediate_size=2 * TINY_BUILD["hidden"], num_hidden_layers=TINY_BUILD["layers"], num_attention_heads=4, num_key_value_heads=2,
                                   max_position_embeddings=4096, tie_word_embeddings=False,
@@ -224,6 +250,7 @@ def build_tiny_model(path: Path, corpus: list[str], seed: int = 0, warm_start: l
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
+    (tmp / TINY_MARKER).write_text(json.dumps(TINY_BUILD))
     try:
         os.replace(tmp, path)
     except OSError:                 # another process finished the same build first: use theirs
@@ -277,8 +304,11 @@ class ValueHead(nn.Module):
 def load_model(cfg: Config, device: torch.device):
     """Tokenizer, the PEFT model (frozen base + "policy" and "critic" adapters) and the value head."""
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
-    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
-    tok = AutoTokenizer.from_pretrained(cfg.model, padding_side="left")
+    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, PreTrainedTokenizerFast
+    # transformers maps any qwen2 checkpoint to Qwen2Tokenizer, whose pre-tokenisation differs from
+    # the tokenizer a tiny model was built and warm-started with: load ours exactly as saved.
+    tiny = (Path(cfg.model) / TINY_MARKER).exists()
+    tok = (PreTrainedTokenizerFast if tiny else AutoTokenizer).from_pretrained(cfg.model, padding_side="left")
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -367,13 +397,28 @@ class Suite:
     stop_strings: tuple[str, ...] = ()   # a turn ends at one of these (or at end-of-turn / budget)
     corpus: list[str] = field(default_factory=list)   # text for the tiny preset's tokenizer
     warm_start: Callable | None = None   # () -> chat episodes for the tiny model's warm start
+    tokenizer: Callable | None = None    # () -> the tiny model's tokenizer (default: a BPE trained on corpus)
 
 
 def make_suite(cfg: Config) -> Suite:
-    """The search agent of §10: synthetic multi-hop questions (default) or HotpotQA."""
-    if cfg.dataset == "hotpotqa":
-        train = search_env.load_hotpotqa("train", n=cfg.n_train, path=cfg.hotpotqa_path or None)
-        val = search_env.load_hotpotqa("validation", n=cfg.n_val, path=cfg.hotpotqa_path or None)
+    """The search agent of §10: synthetic multi-hop questions (default) or HotpotQA; or the testbed."""
+    if cfg.dataset == "testbed":        # testbed_env.py: K turns of L tokens, one key token per turn
+        import testbed_env
+        # The task fixes the turn budget: K turns of L tokens (K*L one-token turns when streaming).
+        cfg.max_turns, cfg.max_new_tokens = testbed_env.turn_budget(cfg.testbed_turns, cfg.testbed_turn_len, cfg.testbed_streaming)
+        cfg.max_total_tokens = max(cfg.max_total_tokens, testbed_env.max_episode_tokens(
+            cfg.testbed_turns, cfg.testbed_turn_len, cfg.testbed_streaming))
+        train, val = testbed_env.make_tasks(cfg.n_train, cfg.n_val, cfg.testbed_turns, cfg.testbed_keys, seed=cfg.seed)
+        return Suite(train, val, lambda task: testbed_env.KeyTurnEnv(task, cfg.testbed_turn_len, cfg.testbed_streaming,
+                                                                     cfg.testbed_feedback),
+                     (), [" ".join(testbed_env.words(cfg.testbed_keys))],
+                     tokenizer=lambda: testbed_env.build_tokenizer(cfg.testbed_keys))
+    if cfg.dataset == "hotpotqa" and cfg.hotpotqa_path:    # one local file: its first n_train, then n_val
+        train = search_env.load_hotpotqa("train", n=cfg.n_train, path=cfg.hotpotqa_path)
+        val = search_env.load_hotpotqa("validation", n=cfg.n_val, path=cfg.hotpotqa_path, skip=cfg.n_train)
+    elif cfg.dataset == "hotpotqa":                         # the hub's train and validation splits
+        train = search_env.load_hotpotqa("train", n=cfg.n_train)
+        val = search_env.load_hotpotqa("validation", n=cfg.n_val)
     else:
         sizes = {} if cfg.preset == "default" else dict(n_people=24, n_organisations=8, n_cities=6, n_regions=3)
         train, val = search_env.make_dataset(cfg.n_train, cfg.n_val, cfg.min_hops, cfg.max_hops, seed=cfg.seed, **sizes)
@@ -734,7 +779,8 @@ def eval_only(cfg: Config, model, value_head, tok, suite: Suite, out: Path) -> d
         name = "base"
     else:
         ckpt = Path(cfg.checkpoint)
-        ckpt = latest_checkpoint(ckpt) or ckpt if not (ckpt / "state.json").exists() else ckpt
+        if not (ckpt / "state.json").exists():          # a run folder: take its latest checkpoint
+            ckpt = latest_checkpoint(ckpt) or ckpt
         if not ckpt.exists():
             raise ValueError(f"--checkpoint {cfg.checkpoint}: no checkpoint found there")
         load_checkpoint(ckpt, model, value_head, None, restore_rng=False)
@@ -777,7 +823,8 @@ def main(argv=None) -> dict:
         episodes = suite.warm_start() if suite.warm_start else []
         key = hashlib.sha1(json.dumps([suite.corpus, episodes, cfg.seed, TINY_BUILD]).encode()).hexdigest()[:12]
         cache = Path(os.environ.get("MPO_CACHE", "~/.cache/mpo")).expanduser()    # built once per content
-        cfg.model = build_tiny_model(cache / f"tiny-qwen2-{key}", suite.corpus, seed=cfg.seed, warm_start=episodes)
+        cfg.model = build_tiny_model(cache / f"tiny-qwen2-{key}", suite.corpus, seed=cfg.seed, warm_start=episodes,
+                                     tokenizer=suite.tokenizer() if suite.tokenizer else None)
     tok, model, value_head = load_model(cfg, device)
     opt = make_optimizer(model, value_head, cfg)
     if not cfg.eval_only:
@@ -841,9 +888,11 @@ def main(argv=None) -> dict:
                 if isinstance(v, (int, float)) and k != "step" and math.isfinite(v):
                     tb.add_scalar(k, v, step + 1)
         last = row
-        bar.write(f"step {step + 1:4d} | reward {row['train/reward']:.3f} | pass@1 {row.get('val/pass@1', float('nan')):.3f} "
+        val_p1 = f"{row['val/pass@1']:.3f}" if "val/pass@1" in row else "  -  "
+        mem = f"{row['mem/peak_gb']:.1f} GB" if device.type == "cuda" else "-"
+        bar.write(f"step {step + 1:4d} | reward {row['train/reward']:.3f} | val pass@1 {val_p1} "
                   f"| pi {stats.get('policy_loss', 0):+.4f} v {stats.get('value_loss', 0):.4f} | clip {stats.get('clip_frac', 0):.3f} "
-                  f"| {t_step:.1f} s/step {row['tokens_per_s']:.0f} tok/s | mem {row['mem/peak_gb']:.1f} GB")
+                  f"| {t_step:.1f} s/step {row['tokens_per_s']:.0f} tok/s | mem {mem}")
         if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps or stop.stop:
             save_checkpoint(out, model, value_head, opt, {"step": step + 1, "questions_seen": (step + 1) * per_step,
                                                           "data_order": "data_order(n_train, seed, epoch)", "config": asdict(cfg)})

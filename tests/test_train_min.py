@@ -672,3 +672,60 @@ def test_unknown_variant_is_a_value_error_naming_the_flag():
         train_min.parse_config(["--variant", "nope"])
     with pytest.raises(ValueError, match="--preset"):
         train_min.parse_config(["--preset", "huge"])
+
+
+def test_hotpotqa_suite_from_one_local_file_has_disjoint_train_and_validation_questions():
+    """--dataset hotpotqa --hotpotqa_path FILE: the first n_train records train, the next n_val validate,
+    each searched in a corpus built from its own questions' paragraphs."""
+    fixture = ROOT / "tests" / "fixtures" / "hotpotqa_small.json"
+    c = train_min.parse_config(["--preset", "tiny", "--dataset", "hotpotqa", "--hotpotqa_path", str(fixture),
+                                "--n_train", "4", "--n_val", "2"])
+    suite = train_min.make_suite(c)
+    assert len(suite.train) == 4 and len(suite.val) == 2
+    assert not {q.question for q in suite.train} & {q.question for q in suite.val}
+    for q in suite.train + suite.val:
+        env = suite.make_env(q)
+        assert env.reset()[-1]["content"].endswith(q.question)
+        res = env.step(f"<search>{q.gold_queries[0]}</search>")
+        assert not res.done and q.gold_queries[0] in res.observation     # its own corpus answers
+        assert env.step(f"<answer>{q.answer}</answer>").reward == 1.0
+
+
+def test_sigterm_mid_run_checkpoints_and_the_resumed_run_matches_an_uninterrupted_one(e2e, full_run, base,
+                                                                                    parity_reward, monkeypatch):
+    """Preemption: SIGTERM arrives during step 2's update; the run finishes that step, checkpoints,
+    exits; --resume then reproduces the uninterrupted run's metrics exactly."""
+    args = ["--preset", "tiny", "--eval_every", "1", "--structure_every", "1", "--save_every", "100"]
+    killed, whole = base / "sigterm_killed", base / "sigterm_whole"
+    run_main(args + ["--steps", "4", "--out_dir", str(whole)])
+    real_update, calls = train_min.update, []
+
+    def update_then_preempt(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)     # delivered to StopFlag's handler right here
+        return real_update(*a, **k)
+
+    monkeypatch.setattr(train_min, "update", update_then_preempt)
+    run_main(args + ["--steps", "4", "--out_dir", str(killed)])
+    assert len(calls) == 2                                          # stopped after step 2
+    assert (killed / "checkpoints" / "latest").read_text() == "step_000002"
+    monkeypatch.setattr(train_min, "update", real_update)
+    run_main(args + ["--steps", "4", "--resume", "--out_dir", str(killed)])
+    rows_k = [json.loads(x) for x in (killed / "metrics.jsonl").read_text().splitlines()]
+    rows_w = [json.loads(x) for x in (whole / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows_k] == [1, 2, 3, 4]
+    assert [_stable(r) for r in rows_k] == [_stable(r) for r in rows_w]
+
+
+def test_eval_only_scores_a_checkpoint_and_the_base_model(e2e, full_run, base):
+    args = ["--preset", "tiny", "--eval_only", "--eval_samples", "2"]
+    ckpt_row = run_main(args + ["--checkpoint", str(full_run[0]), "--out_dir", str(base / "eval_ckpt")])
+    base_row = run_main(args + ["--checkpoint", "base", "--out_dir", str(base / "eval_base")])
+    for row, out in ((ckpt_row, base / "eval_ckpt"), (base_row, base / "eval_base")):
+        assert {"val/pass@1", "val/pass@2", "val/pass^2", "val/turns", "val/format_error_rate"} <= row.keys()
+        assert 0.0 <= row["val/pass@1"] <= row["val/pass@2"] <= 1.0
+        written = list(out.glob("eval_*.json"))
+        assert len(written) == 1 and json.loads(written[0].read_text()) == row
+    with pytest.raises(ValueError, match="--checkpoint"):
+        run_main(args + ["--out_dir", str(base / "eval_none")])

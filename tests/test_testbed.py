@@ -1,0 +1,250 @@
+"""Tests for the credit-assignment testbed (testbed_env.py, `--preset testbed`, study.py).
+
+The environment's rewards and turn structure (plain and streaming), the word-level tokenizer, the
+turn-id layout of real rollouts through train_min.rollout, and the CI learning test: one seed of
+the default testbed configuration goes from near-random success to a clear threshold within a
+bounded number of updates, and the same run with its advantages zeroed does not.
+
+Everything runs on CPU with one torch thread, in a private model cache (never ~/.cache).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import mpo  # noqa: E402
+import study  # noqa: E402
+import testbed_env as te  # noqa: E402
+import train_min  # noqa: E402
+
+CPU = torch.device("cpu")
+# The CI learning test: seed, budget and threshold. Seed 1 of the default preset (MPO, L = 4)
+# reaches the threshold at update 30 on the 2-core development machine (docs/testbed.md, the L4
+# rows); the budget of 50 leaves a margin for other CPUs' rounding.
+LEARN_SEED, LEARN_STEPS, THRESHOLD, CHANCE_MAX = 1, 50, 0.8, 0.15
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+# ---------------------------------------------------------------------------------------------
+# Environment
+# ---------------------------------------------------------------------------------------------
+
+def play(env: te.KeyTurnEnv, answers: list[str]):
+    """Run an episode with scripted turn texts; returns the observations and the final result."""
+    obs = [env.reset()[0]["content"]]
+    for text in answers:
+        res = env.step(text)
+        if res.done:
+            return obs, res
+        obs.append(res.observation)
+    raise AssertionError("episode did not end")
+
+
+def test_reward_is_the_fraction_of_keys_right_and_fillers_do_not_matter():
+    task = te.Task(clues=(5, 0, 3), keys=(2, 7, 4))
+    right = [te.key_word(k) for k in task.keys]
+    obs, res = play(te.KeyTurnEnv(task, 3), [f"{right[0]} f0 f1", f"k0 {right[1]} f2", f"{right[2]}"])
+    assert obs == ["c5", "ok c0", "no c3"]                                             # verdict + next clue
+    assert res.reward == pytest.approx(2 / 3) and res.info["correct"] == [1, 0, 1]
+    assert res.info["all_correct"] == 0.0
+    _, res = play(te.KeyTurnEnv(task, 3), [f"{w} c1 next" for w in right])           # other fillers
+    assert res.reward == 1.0 and res.info["all_correct"] == 1.0
+    _, res = play(te.KeyTurnEnv(task, 3), ["", f"{right[1]}", "f0 f0 f0"])            # empty turn: miss
+    assert res.reward == pytest.approx(1 / 3)
+    obs, res = play(te.KeyTurnEnv(task, 3, feedback=False), ["k0", "k0", "k0"])
+    assert obs == ["c5", "c0", "c3"] and res.reward == 0.0
+
+
+def test_streaming_env_has_k_times_l_one_token_turns_with_clues_at_key_slots():
+    task = te.Task(clues=(1, 6), keys=(4, 0))
+    env = te.KeyTurnEnv(task, 3, streaming=True)
+    assert env.n_steps == 6
+    policy = te.oracle_policy(task, 3, streaming=True)
+    answers = [policy([]) for _ in range(6)]
+    assert answers == ["k4", "f0", "f0", "k0", "f0", "f0"]
+    obs, res = play(env, answers)
+    assert obs == ["c1", "ok", "next", "c6", "ok", "next"]
+    assert res.reward == 1.0 and res.info["turns"] == 6
+    obs, _ = play(te.KeyTurnEnv(task, 3, streaming=True, feedback=False), answers)
+    assert obs == ["c1", "next", "next", "c6", "next", "next"]
+    obs, _ = play(te.KeyTurnEnv(task, 1, streaming=True), ["k1", "k0"])                # L = 1: both at once
+    assert obs == ["c1", "no c6"]
+    _, res = play(te.KeyTurnEnv(task, 3, streaming=True), ["k4", "k1", "k2", "k1", "k0", "k0"])
+    assert res.reward == 0.5 and res.info["correct"] == [1, 0]                      # only slots 0 and 3 count
+
+
+def test_step_after_the_end_raises():
+    env = te.KeyTurnEnv(te.Task((0,), (1,)), 2)
+    env.reset()
+    assert env.step("k1 f0").done
+    with pytest.raises(RuntimeError, match="reset"):
+        env.step("k1")
+
+
+def test_tasks_use_one_fixed_mapping_and_train_val_are_disjoint():
+    train, val = te.make_tasks(64, 32, turns=3, n_keys=8, seed=3)
+    _, val_other_seed = te.make_tasks(64, 32, turns=3, n_keys=8, seed=4)
+    f = te.hidden_mapping(8)
+    assert sorted(f) == list(range(8))
+    for task in train + val + val_other_seed:
+        assert task.keys == tuple(f[c] for c in task.clues)
+    assert len(train) == 64 and len(val) == 32
+    assert not {t.clues for t in train} & {t.clues for t in val}
+
+
+def test_turn_budget_and_episode_length_bound():
+    assert te.turn_budget(3, 4, False) == (3, 4)
+    assert te.turn_budget(3, 4, True) == (12, 1)
+    assert te.max_episode_tokens(3, 4, False) == 2 + 3 * (4 + 4)
+    assert te.max_episode_tokens(3, 4, True) == 2 + 12 * (1 + 4)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizer
+# ---------------------------------------------------------------------------------------------
+
+def test_tokenizer_has_one_id_per_word_and_round_trips():
+    tok = te.build_tokenizer(8)
+    words = te.words(8)
+    assert len(tok) == len(te.SPECIALS) + len(words) == 4 + 8 + 8 + 4 + 1 + 2
+    ids = tok(" ".join(words), add_special_tokens=False).input_ids
+    assert ids == list(range(len(te.SPECIALS), len(tok)))
+    assert tok.decode(ids) == " ".join(words)
+    assert (tok.eos_token, tok.pad_token, tok.unk_token) == ("<|im_end|>", "<|endoftext|>", "<unk>")
+
+
+def test_chat_template_renders_only_vocabulary_and_the_key_follows_the_clue():
+    tok = te.build_tokenizer(8)
+    msgs = [{"role": "user", "content": "c3"}, {"role": "assistant", "content": "k1 f0"},
+            {"role": "user", "content": "c0"}]
+    ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert tok.convert_ids_to_tokens(ids) == ["<|im_start|>", "c3", "k1", "f0", "<|im_end|>", "<|im_start|>", "c0"]
+    assert tok.unk_token_id not in ids
+
+
+# ---------------------------------------------------------------------------------------------
+# Through train_min: the preset, rollouts, the turn-id layout
+# ---------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("testbed")
+
+
+@pytest.fixture(scope="module")
+def tiny_path(base) -> str:
+    return train_min.build_tiny_model(base / "tiny-testbed", [" ".join(te.words(8))], seed=0,
+                                      tokenizer=te.build_tokenizer(8))
+
+
+def make(tiny_path, base, *extra):
+    cfg = train_min.parse_config(["--preset", "testbed", "--model", tiny_path, "--out_dir", str(base / "unit"), *extra])
+    suite = train_min.make_suite(cfg)
+    tok, model, value_head = train_min.load_model(cfg, CPU)
+    return cfg, suite, tok, model, value_head
+
+
+def test_preset_sets_the_turn_budget_and_keeps_model_vocab_equal_to_the_tokenizer(tiny_path, base):
+    cfg, suite, tok, model, _ = make(tiny_path, base, "--testbed_turn_len", "5")
+    assert (cfg.dataset, cfg.max_turns, cfg.max_new_tokens, suite.stop_strings) == ("testbed", 3, 5, ())
+    assert model.get_base_model().config.vocab_size == len(tok) == 27
+    assert type(tok).__name__ != "Qwen2Tokenizer"          # the word-level tokenizer, loaded as saved
+    cfg, *_ = make(tiny_path, base, "--testbed_streaming", "true")
+    assert (cfg.max_turns, cfg.max_new_tokens) == (12, 1)
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_rollout_turn_ids_layout_and_rewards_match_the_sampled_keys(tiny_path, base, streaming):
+    L = 4
+    cfg, suite, tok, model, _ = make(tiny_path, base, "--testbed_turn_len", str(L),
+                                     *(["--testbed_streaming", "true"] if streaming else []))
+    train_min.seed_everything(0)
+    trajs = train_min.rollout(model, tok, suite, suite.train[:4], cfg, 4)
+    batch = train_min.collate(trajs, tok.pad_token_id, CPU)
+    act = batch["turn_ids"] >= 0
+    assert torch.equal(mpo.turn_ids_from_mask(act), batch["turn_ids"])             # contiguous, in order
+    checked = 0
+    for t in trajs:
+        n_turns = cfg.testbed_turns * (L if streaming else 1)
+        assert t.n_turns == n_turns and t.done and not t.info.get("truncated")
+        lengths = [sum(1 for x in t.turn_ids if x == k) for k in range(n_turns)]
+        assert all(n == 1 for n in lengths) if streaming else all(1 <= n <= L for n in lengths)
+        # The environment reads text (specials are decoded away): the key is the turn's first
+        # non-special token, or missing.
+        words = [[tok.convert_ids_to_tokens(i) for i, x in zip(t.ids, t.turn_ids) if x == k and i not in tok.all_special_ids]
+                 for k in range(n_turns)][::L if streaming else 1]
+        assert t.info["correct"] == [int(w[:1] == [te.key_word(key)]) for w, key in zip(words, t.env.task.keys)]
+        assert t.reward == pytest.approx(sum(t.info["correct"]) / cfg.testbed_turns)
+        if not any(i in tok.all_special_ids for i, k in zip(t.ids, t.turn_ids) if k >= 0):
+            # Sampled ids are kept exactly: re-rendering the chat gives the same ids.
+            assert t.ids == train_min.render_ids(tok, t.messages)[:len(t.ids)]
+            checked += 1
+    assert checked > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# The CI learning test
+# ---------------------------------------------------------------------------------------------
+
+def run_main(argv: list[str]) -> list[dict]:
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        train_min.main(argv)
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)
+    out = Path(argv[argv.index("--out_dir") + 1])
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def learn_args(base):
+    os.environ["MPO_CACHE"] = str(base / "mpo-cache")
+    yield ["--preset", "testbed", "--seed", str(LEARN_SEED), "--steps", str(LEARN_STEPS)]
+    os.environ.pop("MPO_CACHE", None)
+
+
+def test_default_testbed_learns_from_near_random_to_the_threshold(learn_args, base):
+    rows = run_main(learn_args + ["--out_dir", str(base / "learn")])
+    val = [(r["step"], r["val/reward"]) for r in rows if "val/reward" in r]
+    assert rows[0]["train/reward"] <= CHANCE_MAX                   # sampled success at the start: near chance
+    assert val[0][1] < THRESHOLD
+    assert study.updates_to(val, THRESHOLD) is not None, f"never reached {THRESHOLD}: {val}"
+    assert rows[-1]["train/reward"] > 3 * rows[0]["train/reward"]
+
+
+def test_zeroed_advantages_do_not_learn(learn_args, base, monkeypatch):
+    real = train_min.compute_advantages
+
+    def zeroed(batch, cfg):
+        real(batch, cfg)
+        batch["advantages"] = torch.zeros_like(batch["advantages"])
+    monkeypatch.setattr(train_min, "compute_advantages", zeroed)
+    rows = run_main(learn_args + ["--out_dir", str(base / "zeroed")])
+    val = [(r["step"], r["val/reward"]) for r in rows if "val/reward" in r]
+    assert study.updates_to(val, THRESHOLD) is None
+    assert max(v for _, v in val) < 0.5 and rows[-1]["train/reward"] <= CHANCE_MAX
+
+
+def test_updates_to_threshold_is_the_first_evaluation_at_or_above_it():
+    assert study.updates_to([(5, 0.2), (10, 0.85), (15, 0.9)], 0.8) == 10
+    assert study.updates_to([(5, 0.2), (10, 0.8)], 0.8) == 10
+    assert study.updates_to([(5, 0.2), (10, 0.7)], 0.8) is None
