@@ -40,6 +40,8 @@ from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
 from pathlib import Path
 
+import sweep  # the same mean ± std formatting as the sweep tables (same folder)
+
 ROOT = Path(__file__).resolve().parent
 VARIANTS = ("mpo", "mpo_token_is", "mpo_beta0", "ppo", "grpo")
 STREAM_VARIANTS = ("mpo", "ppo", "grpo")
@@ -175,12 +177,7 @@ def updates_to(curve: list[tuple[int, float]], threshold: float) -> int | None:
 
 
 def fmt(xs: list[float], scale: float = 100.0, digits: int = 1) -> str:
-    xs = [x for x in xs if x is not None and not math.isnan(x)]
-    if not xs:
-        return "–"
-    if len(xs) == 1:
-        return f"{scale * xs[0]:.{digits}f}"
-    return f"{scale * statistics.mean(xs):.{digits}f} ± {scale * statistics.stdev(xs):.{digits}f}"
+    return sweep.mean_std(xs, scale, digits, missing="–")
 
 
 def groups_of(results: list[dict]) -> dict[tuple[str, str], list[dict]]:

@@ -89,13 +89,14 @@ def setting_of(cfg: dict) -> str:
     return label
 
 
-def mean_std(xs: list[float]) -> str:
+def mean_std(xs: list[float], scale: float = 100.0, digits: int = 1, missing: str = "n/a") -> str:
+    """'mean ± sample std' of the finite values, scaled (percent by default); one value: itself."""
     xs = [x for x in xs if x is not None and not math.isnan(x)]
     if not xs:
-        return "n/a"
+        return missing
     if len(xs) == 1:
-        return f"{100 * xs[0]:.1f}"
-    return f"{100 * statistics.mean(xs):.1f} ± {100 * statistics.stdev(xs):.1f}"
+        return f"{scale * xs[0]:.{digits}f}"
+    return f"{scale * statistics.mean(xs):.{digits}f} ± {scale * statistics.stdev(xs):.{digits}f}"
 
 
 def last(rows: list[dict], key: str) -> float | None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import sys
 from pathlib import Path
 
@@ -22,6 +21,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import sweep  # noqa: E402
 import train_min  # noqa: E402
+from helpers import run_main  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -32,15 +32,6 @@ def tiny_model(tmp_path_factory) -> str:
     path = train_min.build_tiny_model(tmp_path_factory.mktemp("model") / "tiny", suite.corpus)
     yield path
     torch.set_num_threads(n)
-
-
-def run_main(argv):
-    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        return train_min.main(argv)
-    finally:
-        for s, h in saved.items():
-            signal.signal(s, h)
 
 
 @pytest.fixture(scope="module")

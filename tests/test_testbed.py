@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import sys
 from pathlib import Path
 
@@ -27,6 +26,7 @@ import mpo  # noqa: E402
 import study  # noqa: E402
 import testbed_env as te  # noqa: E402
 import train_min  # noqa: E402
+from helpers import run_main  # noqa: E402
 
 CPU = torch.device("cpu")
 # The CI learning test: seed, budget and threshold. Seed 1 of the default preset (MPO, L = 4)
@@ -204,13 +204,9 @@ def test_rollout_turn_ids_layout_and_rewards_match_the_sampled_keys(tiny_path, b
 # The CI learning test
 # ---------------------------------------------------------------------------------------------
 
-def run_main(argv: list[str]) -> list[dict]:
-    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        train_min.main(argv)
-    finally:
-        for s, h in saved.items():
-            signal.signal(s, h)
+def run_rows(argv: list[str]) -> list[dict]:
+    """Run train_min.main and return the run's metrics rows."""
+    run_main(argv)
     out = Path(argv[argv.index("--out_dir") + 1])
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
@@ -223,7 +219,7 @@ def learn_args(base):
 
 
 def test_default_testbed_learns_from_near_random_to_the_threshold(learn_args, base):
-    rows = run_main(learn_args + ["--out_dir", str(base / "learn")])
+    rows = run_rows(learn_args + ["--out_dir", str(base / "learn")])
     val = [(r["step"], r["val/reward"]) for r in rows if "val/reward" in r]
     assert rows[0]["train/reward"] <= CHANCE_MAX                   # sampled success at the start: near chance
     assert val[0][1] < THRESHOLD
@@ -238,7 +234,7 @@ def test_zeroed_advantages_do_not_learn(learn_args, base, monkeypatch):
         real(batch, cfg)
         batch["advantages"] = torch.zeros_like(batch["advantages"])
     monkeypatch.setattr(train_min, "compute_advantages", zeroed)
-    rows = run_main(learn_args + ["--out_dir", str(base / "zeroed")])
+    rows = run_rows(learn_args + ["--out_dir", str(base / "zeroed")])
     val = [(r["step"], r["val/reward"]) for r in rows if "val/reward" in r]
     assert study.updates_to(val, THRESHOLD) is None
     assert max(v for _, v in val) < 0.5 and rows[-1]["train/reward"] <= CHANCE_MAX

@@ -34,6 +34,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import mpo  # noqa: E402
 import search_env  # noqa: E402
 import train_min  # noqa: E402
+from helpers import run_main  # noqa: E402
 
 CPU = torch.device("cpu")
 VOLATILE = ("time/", "tokens_per_s", "mem/")     # metrics that legitimately differ between runs
@@ -132,16 +133,6 @@ def e2e(base):
         mp.setenv("MPO_CACHE", str(base / "mpo-cache"))
         mp.setattr(train_min, "build_tiny_model", quick_build)
         yield base
-
-
-def run_main(argv: list[str]) -> dict:
-    """train_min.main with the process's signal handlers restored afterwards."""
-    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        return train_min.main(argv)
-    finally:
-        for s, h in saved.items():
-            signal.signal(s, h)
 
 
 # ---------------------------------------------------------------------------------------------
