@@ -35,12 +35,7 @@ CPU = torch.device("cpu")
 LEARN_SEED, LEARN_STEPS, THRESHOLD, CHANCE_MAX = 1, 50, 0.8, 0.15
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")    # tests/conftest.py: tiny models run on 1 thread
 
 
 # ---------------------------------------------------------------------------------------------

@@ -44,12 +44,7 @@ VOLATILE = ("time/", "tokens_per_s", "mem/")     # metrics that legitimately dif
 # Fixtures
 # ---------------------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")    # tests/conftest.py: tiny models run on 1 thread
 
 
 @pytest.fixture(scope="module")
