@@ -357,7 +357,7 @@ def use_adapter(model, name: str) -> None:
 
 def hidden_states(model, ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
     """Last hidden state of the active adapter's model (no vocabulary projection): (B, T, H)."""
-    return model.get_base_model().get_decoder()(input_ids=ids, attention_mask=attn).last_hidden_state
+    return model.get_base_model().get_decoder()(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state
 
 
 def token_logprobs(model, ids, attn, act, temperature: float = 1.0):
