@@ -371,10 +371,11 @@ def token_logprobs(model, ids, attn, act, temperature: float = 1.0):
     logits = model.get_base_model().get_output_embeddings()(h[:, :-1][sel]).float() / temperature  # (N, V)
     logp_all = torch.log_softmax(logits, dim=-1)
     lp = logp_all.gather(1, ids[:, 1:][sel][:, None]).squeeze(1)               # (N,)
-    entropy = -(logp_all.exp() * logp_all).sum(-1).mean() if lp.numel() else logits.new_zeros(())
+    with torch.no_grad():           # a diagnostic: no graph through another (N, V) tensor
+        entropy = -(logp_all.exp() * logp_all).sum(-1).mean() if lp.numel() else logits.new_zeros(())
     out = torch.zeros(ids.shape, dtype=lp.dtype, device=ids.device)
     out[:, 1:] = out[:, 1:].masked_scatter(sel, lp)
-    return out, entropy.detach()                                               # (B, T), ()
+    return out, entropy                                                        # (B, T), ()
 
 
 def token_values(model, value_head, ids, attn):
