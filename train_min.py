@@ -93,7 +93,8 @@ class Config:
     ppo_lam: float = field(default=0.95, metadata={"help": "λ of the PPO baseline's token GAE"})
     clip_eps: float = field(default=0.2, metadata={"help": "ε of the clipped surrogate"})
     clip_eps_high: float = field(default=0.28, metadata={"help": "upper clip (clip-higher, DAPO); = clip_eps for symmetric"})
-    gspo_clip: float = field(default=4e-4, metadata={"help": "ε of GSPO's sequence ratio (GSPO paper: 3e-4 / 4e-4)"})
+    gspo_clip_low: float = field(default=3e-4, metadata={"help": "GSPO's lower clip of the sequence ratio (GSPO paper: 3e-4)"})
+    gspo_clip_high: float = field(default=4e-4, metadata={"help": "GSPO's upper clip of the sequence ratio (GSPO paper: 4e-4)"})
     value_clip: float = field(default=0.2, metadata={"help": "value clipping range (0 disables)"})
     vf_coef: float = field(default=0.5, metadata={"help": "weight of the critic loss"})
     kl_coef: float = field(default=0.0, metadata={"help": "KL(π ‖ base) penalty (k3 estimator); the base is the model with adapters disabled"})
@@ -629,8 +630,8 @@ def update(model, value_head, opt, batch, cfg: Config) -> dict[str, float]:
     model.train()
     act = batch["turn_ids"] >= 0
     B = act.shape[0]
-    eps = cfg.gspo_clip if cfg.variant == "gspo" else cfg.clip_eps
-    eps_high = cfg.gspo_clip if cfg.variant == "gspo" else cfg.clip_eps_high
+    eps = cfg.gspo_clip_low if cfg.variant == "gspo" else cfg.clip_eps
+    eps_high = cfg.gspo_clip_high if cfg.variant == "gspo" else cfg.clip_eps_high
     sums, count = {}, 0
     params = [p for g in opt.param_groups for p in g["params"]]
     for _ in range(cfg.ppo_epochs):
