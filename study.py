@@ -69,7 +69,10 @@ def critic_structure(run_dir: Path, n: int = 4) -> dict:
     import torch
     import mpo
     import train_min as tm
-    cfg = tm.Config(**json.loads((run_dir / "config.json").read_text()))
+    saved = json.loads((run_dir / "config.json").read_text())
+    options = saved.pop("preset_options", {})          # the testbed's flags (presets.py)
+    cfg = tm.Config(**saved)
+    cfg.preset_options = options
     device = torch.device("cpu")
     suite = tm.make_suite(cfg)
     tok, model, value_head = tm.load_model(cfg, device)
@@ -78,9 +81,9 @@ def critic_structure(run_dir: Path, n: int = 4) -> dict:
     batch = tm.collate(tm.rollout(model, tok, suite, suite.val, cfg, n), tok.pad_token_id, device)
     tm.score_batch(model, value_head, batch, cfg)
     out = dict(mpo.turn_value_structure(batch["values"], batch["turn_ids"]))
-    if cfg.testbed_streaming:                                  # logical turns: key + L - 1 fillers
+    if options["testbed_streaming"]:                           # logical turns: key + L - 1 fillers
         act = batch["turn_ids"] >= 0
-        rows = [(batch["values"][b][act[b]], batch["turn_ids"][b][act[b]] // cfg.testbed_turn_len)
+        rows = [(batch["values"][b][act[b]], batch["turn_ids"][b][act[b]] // options["testbed_turn_len"])
                 for b in range(act.shape[0])]
         T = max(len(v) for v, _ in rows)
         values = torch.zeros(len(rows), T)

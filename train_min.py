@@ -1,12 +1,12 @@
 """The paper's one-week minimal reproduction (§10 of the notes): a multi-turn search agent trained
 with MPO on one 24 GB GPU, with its ablations and baselines.
 
-    python train_min.py                              # setting A: full MPO, Qwen2.5-1.5B-Instruct, 4-bit
-    python train_min.py --variant mpo_token_is       # setting B: MPO w/ token IS
-    python train_min.py --variant mpo_beta0          # setting C: β = 0 (turn GAE only)
-    python train_min.py --variant ppo | grpo | gspo  # baselines
-    python train_min.py --preset tiny                # the whole loop on CPU in < 2 minutes
-    python train_min.py --preset testbed             # the CPU credit-assignment testbed (docs/testbed.md)
+    python train_min.py                            # setting A: full MPO, Qwen2.5-1.5B, 4-bit
+    python train_min.py --variant mpo_token_is     # setting B: MPO w/ token IS
+    python train_min.py --variant mpo_beta0        # setting C: β = 0 (turn GAE only)
+    python train_min.py --variant ppo | grpo | gspo   # baselines
+    python train_min.py --preset tiny              # the whole loop on CPU in < 2 minutes
+    python train_min.py --preset testbed           # CPU credit-assignment task (docs/testbed.md)
 
 What runs: a frozen base model in 4-bit NF4 (bitsandbytes) carrying two LoRA adapters, "policy"
 and "critic", plus a value head on the critic's last hidden state: the paper's token-level
@@ -21,11 +21,11 @@ task in 60 updates (docs/testbed.md). GPU peak memory and seconds per step of th
 NOT measured yet (no GPU so far; docs/reproduction.md says when they are).
 
 Sections: config → seeding → model → environment → rollout → advantages → update →
-evaluation / logging / checkpoint → main. Algorithm lines carry a `# MPO:` tag.
+evaluation / logging / checkpoint → main. Algorithm lines carry a `# MPO:` tag. The presets
+(--preset tiny | testbed: the tiny model, its warm start, the testbed task) live in presets.py.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -34,7 +34,7 @@ import shutil
 import signal
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Callable
 
@@ -44,6 +44,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import mpo
+import presets
 import search_env
 
 VARIANTS = ("mpo", "mpo_token_is", "mpo_beta0", "ppo", "grpo", "gspo")
@@ -53,127 +54,117 @@ VARIANTS = ("mpo", "mpo_token_is", "mpo_beta0", "ppo", "grpo", "gspo")
 # Config
 # ---------------------------------------------------------------------------------------------
 
+def arg(default, help: str):
+    """A Config field with its --help text."""
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass
 class Config:
     # --- run ---
-    preset: str = field(default="default", metadata={"help": "default (GPU, the paper's §10 run) | tiny (CPU demo: tiny random Qwen, < 2 min) | testbed (CPU credit-assignment task, docs/testbed.md)"})
-    variant: str = field(default="mpo", metadata={"help": "mpo (A) | mpo_token_is (B) | mpo_beta0 (C) | ppo | grpo | gspo"})
-    seed: int = field(default=0, metadata={"help": "seed for sampling, data order and initialisation"})
-    steps: int = field(default=150, metadata={"help": "policy updates (§10: 100-150 steps)"})
-    out_dir: str = field(default="", metadata={"help": "run folder (default runs/<variant>-s<seed>)"})
-    resume: bool = field(default=False, metadata={"help": "continue from the latest checkpoint in out_dir"})
+    preset: str = arg("default", "default (the paper's §10 run, GPU) | tiny | testbed: presets.py")
+    variant: str = arg("mpo", "mpo (A) | mpo_token_is (B) | mpo_beta0 (C) | ppo | grpo | gspo")
+    seed: int = arg(0, "seed for sampling, data order and initialisation")
+    steps: int = arg(150, "policy updates (§10: 100-150 steps)")
+    out_dir: str = arg("", "run folder (default runs/<variant>-s<seed>)")
+    resume: bool = arg(False, "continue from the latest checkpoint in out_dir")
     # --- model ---
-    model: str = field(default="Qwen/Qwen2.5-1.5B-Instruct", metadata={"help": "hub id or local path; Qwen/Qwen3-4B also fits 24 GB in 4-bit"})
-    load_in_4bit: bool = field(default=True, metadata={"help": "NF4 base weights via bitsandbytes (QLoRA)"})
-    lora_r: int = field(default=16, metadata={"help": "LoRA rank of both adapters"})
-    lora_alpha: int = field(default=32, metadata={"help": "LoRA scale numerator (scale = alpha / r)"})
-    gradient_checkpointing: bool = field(default=True, metadata={"help": "recompute activations in backward to fit 24 GB"})
-    enable_thinking: bool = field(default=False, metadata={"help": "Qwen3 chat template: allow <think> blocks"})
+    model: str = arg("Qwen/Qwen2.5-1.5B-Instruct", "hub id or path; Qwen/Qwen3-4B fits 24 GB too")
+    load_in_4bit: bool = arg(True, "NF4 base weights via bitsandbytes (QLoRA)")
+    lora_r: int = arg(16, "LoRA rank of both adapters")
+    lora_alpha: int = arg(32, "LoRA scale numerator (scale = alpha / r)")
+    gradient_checkpointing: bool = arg(True, "recompute activations in backward to fit 24 GB")
+    enable_thinking: bool = arg(False, "Qwen3 chat template: allow <think> blocks")
     # --- data / environment ---
-    dataset: str = field(default="synthetic", metadata={"help": "synthetic (embedded fictional KB) | hotpotqa | testbed (testbed_env.py)"})
-    hotpotqa_path: str = field(default="", metadata={"help": "local HotpotQA JSON (else the hub via `datasets`)"})
-    # --- testbed (dataset=testbed): K turns of L tokens, the first token of each turn the key ---
-    testbed_turns: int = field(default=3, metadata={"help": "testbed: K, turns per episode (one key each)"})
-    testbed_turn_len: int = field(default=4, metadata={"help": "testbed: L, tokens per turn (1 key + L-1 filler); sets max_new_tokens"})
-    testbed_keys: int = field(default=8, metadata={"help": "testbed: clue/key pairs of the hidden mapping (chance ~ 1/vocab)"})
-    testbed_streaming: bool = field(default=False, metadata={"help": "testbed: feedback after every token (§11): K*L one-token turns"})
-    testbed_feedback: bool = field(default=True, metadata={"help": "testbed: the reply after a key says ok/no (an observation; the reward stays at the end)"})
-    n_train: int = field(default=200, metadata={"help": "training questions (§10: 200)"})
-    n_val: int = field(default=50, metadata={"help": "validation questions (§10: 50), from a disjoint knowledge base"})
-    min_hops: int = field(default=2, metadata={"help": "fewest searches a question needs (§10: 2-4)"})
-    max_hops: int = field(default=4, metadata={"help": "most searches a question needs"})
-    top_k: int = field(default=3, metadata={"help": "documents returned per search"})
-    max_turns: int = field(default=5, metadata={"help": "assistant turns per episode (4 searches + answer)"})
-    max_new_tokens: int = field(default=96, metadata={"help": "token budget of one assistant turn"})
-    max_total_tokens: int = field(default=2048, metadata={"help": "episode length cap (prompt + all turns)"})
+    dataset: str = arg("synthetic", "synthetic (a fictional KB) | hotpotqa | testbed (its preset)")
+    hotpotqa_path: str = arg("", "local HotpotQA JSON (else the hub via `datasets`)")
+    n_train: int = arg(200, "training questions (§10: 200)")
+    n_val: int = arg(50, "validation questions (§10: 50), from a disjoint knowledge base")
+    min_hops: int = arg(2, "fewest searches a question needs (§10: 2-4)")
+    max_hops: int = arg(4, "most searches a question needs")
+    top_k: int = arg(3, "documents returned per search")
+    max_turns: int = arg(5, "assistant turns per episode (4 searches + answer)")
+    max_new_tokens: int = arg(96, "token budget of one assistant turn")
+    max_total_tokens: int = arg(2048, "episode length cap (prompt + all turns)")
     # --- algorithm (defaults: the paper's reference setting, §7) ---
-    lam: float = field(default=0.80, metadata={"help": "λ, turn-level GAE (§7)"})
-    lam_intra: float = field(default=0.95, metadata={"help": "λ_intra, intra-turn trace (§7)"})
-    beta: float = field(default=1.00, metadata={"help": "β, centred intra-turn correction (§7); mpo_beta0 sets 0"})
-    ppo_lam: float = field(default=0.95, metadata={"help": "λ of the PPO baseline's token GAE"})
-    clip_eps: float = field(default=0.2, metadata={"help": "ε of the clipped surrogate"})
-    clip_eps_high: float = field(default=0.28, metadata={"help": "upper clip (clip-higher, DAPO); = clip_eps for symmetric"})
-    gspo_clip_low: float = field(default=3e-4, metadata={"help": "GSPO's lower clip of the sequence ratio (GSPO paper: 3e-4)"})
-    gspo_clip_high: float = field(default=4e-4, metadata={"help": "GSPO's upper clip of the sequence ratio (GSPO paper: 4e-4)"})
-    value_clip: float = field(default=0.2, metadata={"help": "value clipping range (0 disables)"})
-    vf_coef: float = field(default=0.5, metadata={"help": "weight of the critic loss"})
-    kl_coef: float = field(default=0.0, metadata={"help": "KL(π ‖ base) penalty (k3 estimator); the base is the model with adapters disabled"})
-    n_rollouts: int = field(default=4, metadata={"help": "episodes per question (§10: n = 4); the GRPO group size"})
-    questions_per_step: int = field(default=16, metadata={"help": "questions per step (§10: batch 16)"})
-    ppo_epochs: int = field(default=1, metadata={"help": "passes over each batch"})
-    minibatches: int = field(default=4, metadata={"help": "optimiser steps per epoch"})
-    micro_batch_size: int = field(default=4, metadata={"help": "trajectories per forward/backward (memory knob)"})
-    rollout_batch_size: int = field(default=64, metadata={"help": "trajectories per generate call (memory knob)"})
+    lam: float = arg(0.80, "λ, turn-level GAE (§7)")
+    lam_intra: float = arg(0.95, "λ_intra, intra-turn trace (§7)")
+    beta: float = arg(1.00, "β, centred intra-turn correction (§7); mpo_beta0 sets 0")
+    ppo_lam: float = arg(0.95, "λ of the PPO baseline's token GAE")
+    clip_eps: float = arg(0.2, "ε of the clipped surrogate")
+    clip_eps_high: float = arg(0.28, "upper clip (clip-higher, DAPO); = clip_eps for symmetric")
+    gspo_clip_low: float = arg(3e-4, "GSPO's lower clip of the sequence ratio (GSPO paper: 3e-4)")
+    gspo_clip_high: float = arg(4e-4, "GSPO's upper clip of the sequence ratio (GSPO paper: 4e-4)")
+    value_clip: float = arg(0.2, "value clipping range (0 disables)")
+    vf_coef: float = arg(0.5, "weight of the critic loss")
+    kl_coef: float = arg(0.0, "KL(π ‖ base) penalty (k3); the base = the model without adapters")
+    n_rollouts: int = arg(4, "episodes per question (§10: n = 4); the GRPO group size")
+    questions_per_step: int = arg(16, "questions per step (§10: batch 16)")
+    ppo_epochs: int = arg(1, "passes over each batch")
+    minibatches: int = arg(4, "optimiser steps per epoch")
+    micro_batch_size: int = arg(4, "trajectories per forward/backward (memory knob)")
+    rollout_batch_size: int = arg(64, "trajectories per generate call (memory knob)")
     # The paper fine-tunes all weights at 1e-6 (§10). LoRA trains a low-rank update from zero
     # through a scale alpha/r, so it needs a much larger step for the same change in the policy;
     # 1e-5 (policy) is the usual QLoRA-RL range. The critic and its fresh value head start from
     # nothing and must fit returns quickly, hence larger rates.
-    lr_policy: float = field(default=1e-5, metadata={"help": "policy adapter learning rate (see comment)"})
-    lr_critic: float = field(default=5e-5, metadata={"help": "critic adapter learning rate"})
-    lr_value_head: float = field(default=1e-3, metadata={"help": "value head learning rate"})
-    max_grad_norm: float = field(default=1.0, metadata={"help": "gradient clipping"})
-    temperature: float = field(default=1.0, metadata={"help": "sampling temperature; log-probs use the same scaling"})
+    lr_policy: float = arg(1e-5, "policy adapter learning rate (see comment)")
+    lr_critic: float = arg(5e-5, "critic adapter learning rate")
+    lr_value_head: float = arg(1e-3, "value head learning rate")
+    max_grad_norm: float = arg(1.0, "gradient clipping")
+    temperature: float = arg(1.0, "sampling temperature; log-probs use the same scaling")
     # --- evaluation / logging / checkpoint ---
-    eval_every: int = field(default=10, metadata={"help": "validate every N steps (and at the end)"})
-    eval_samples: int = field(default=4, metadata={"help": "samples per validation question (pass@k for k <= this)"})
-    greedy_eval: bool = field(default=False, metadata={"help": "validate with greedy decoding (one sample: pass@1 only)"})
-    eval_only: bool = field(default=False, metadata={"help": "evaluate --checkpoint on the validation set and exit"})
-    checkpoint: str = field(default="", metadata={"help": "with --eval_only: a checkpoint folder, a run folder (its latest), or 'base' (adapters off)"})
-    structure_every: int = field(default=10, metadata={"help": "log the critic's turn_value_structure (§9) every N steps"})
-    tensorboard: bool = field(default=False, metadata={"help": "also write TensorBoard scalars to out_dir/tb"})
-    save_every: int = field(default=10, metadata={"help": "checkpoint every N steps (and on SIGTERM / SIGINT)"})
-    device: str = field(default="", metadata={"help": "cuda | cpu (default: cuda if available)"})
-    cpu_threads: int = field(default=0, metadata={"help": "torch CPU threads (0 = torch's default); tiny models run fastest on 1"})
-    memory_cap_gb: float = field(default=0.0, metadata={"help": "cap this process's GPU memory (e.g. 24 on a larger GPU to check the 24 GB budget); 0 = no cap"})
+    eval_every: int = arg(10, "validate every N steps (and at the end)")
+    eval_samples: int = arg(4, "samples per validation question (pass@k for k <= this)")
+    greedy_eval: bool = arg(False, "validate with greedy decoding (one sample: pass@1 only)")
+    eval_only: bool = arg(False, "evaluate --checkpoint on the validation set and exit")
+    checkpoint: str = arg("", "for --eval_only: a checkpoint, a run folder (its latest) or 'base'")
+    structure_every: int = arg(10, "log the critic's turn_value_structure (§9) every N steps")
+    tensorboard: bool = arg(False, "also write TensorBoard scalars to out_dir/tb")
+    save_every: int = arg(10, "checkpoint every N steps (and on SIGTERM / SIGINT)")
+    device: str = arg("", "cuda | cpu (default: cuda if available)")
+    cpu_threads: int = arg(0, "torch CPU threads (0: torch's default); tiny models: 1 is fastest")
+    memory_cap_gb: float = arg(0.0, "cap GPU memory, e.g. 24 to check the budget on a larger GPU")
+    # not a flag: parse_config fills it from the preset's own flags (Preset.options, presets.py)
+    preset_options: dict = field(default_factory=dict, init=False)
 
     def __post_init__(self):
         if self.variant not in VARIANTS:
             raise ValueError(f"--variant must be one of {VARIANTS}, got {self.variant!r}")
-        if self.preset not in ("default", "tiny", "testbed"):
-            raise ValueError(f"--preset must be 'default', 'tiny' or 'testbed', got {self.preset!r}")
+        if self.preset not in presets.PRESETS:
+            raise ValueError(f"--preset must be one of {tuple(presets.PRESETS)}, "
+                             f"got {self.preset!r}")
         if self.dataset not in ("synthetic", "hotpotqa", "testbed"):
-            raise ValueError(f"--dataset must be 'synthetic', 'hotpotqa' or 'testbed', got {self.dataset!r}")
+            raise ValueError("--dataset must be 'synthetic', 'hotpotqa' or 'testbed', "
+                             f"got {self.dataset!r}")
         if self.variant == "mpo_beta0":
             self.beta = 0.0
         if not self.out_dir:
-            self.out_dir = f"runs/{self.preset + '-' if self.preset != 'default' else ''}{self.variant}-s{self.seed}"
+            prefix = "" if self.preset == "default" else self.preset + "-"
+            self.out_dir = f"runs/{prefix}{self.variant}-s{self.seed}"
 
     @property
     def uses_critic(self) -> bool:
         return self.variant not in ("grpo", "gspo")
 
 
-TINY = dict(  # a CPU demo of the whole loop, not a result: random weights learn nothing in 4 steps
-    model="tiny", steps=4, n_train=16, n_val=4, questions_per_step=4, n_rollouts=2, min_hops=1, max_hops=1,
-    max_turns=3, max_new_tokens=24, max_total_tokens=768, minibatches=2, micro_batch_size=4,
-    eval_every=2, eval_samples=2, save_every=2, lora_r=4, lora_alpha=8, lr_policy=1e-3, cpu_threads=1,
-    lr_critic=1e-3, gradient_checkpointing=False,
-)
-
-# --- testbed preset (testbed_env.py, docs/testbed.md): a random tiny model learns the task from scratch ---
-# temperature: the random base's logits span only about ±1.3 nats (init std 0.02, frozen final norm
-# and lm_head), so at T = 1 no LoRA can make the policy confident; T = 0.25 scales them to ±5 (log-probs
-# use the same scaling, so the trained policy is exactly the sampled one). kl_coef: without a KL pull
-# towards the initial policy, some seeds collapse onto a wrong key for a clue and never sample the
-# right one again (measured with 4 keys: seeds 1 and 2 stuck at 0.7 success for 60 updates at
-# kl_coef 0, both at 1.0 with 0.1; docs/testbed.md).
-TESTBED = dict(
-    model="tiny", dataset="testbed", load_in_4bit=False, gradient_checkpointing=False, cpu_threads=1,
-    steps=60, n_train=64, n_val=32, questions_per_step=8, n_rollouts=8, max_total_tokens=1024,
-    minibatches=2, micro_batch_size=64, rollout_batch_size=64, eval_every=5, greedy_eval=True,
-    structure_every=10, save_every=1000, lora_r=8, lora_alpha=16, lr_policy=3e-3, lr_critic=3e-3,
-    lr_value_head=3e-3, temperature=0.25, kl_coef=0.1,
-)
-
-
 def parse_config(argv=None) -> Config:
+    """Config from the command line; then the preset's overrides, except for flags given."""
     from transformers import HfArgumentParser
-    (cfg,) = HfArgumentParser(Config).parse_args_into_dataclasses(args=argv)
-    if cfg.preset in ("tiny", "testbed"):   # preset values apply unless the flag was given explicitly
-        given = {a.lstrip("-").split("=")[0].replace("-", "_") for a in (argv or sys.argv[1:]) if a.startswith("--")}
-        for k, v in (TINY if cfg.preset == "tiny" else TESTBED).items():
-            if k not in given:
-                setattr(cfg, k, v)
+    argv = sys.argv[1:] if argv is None else argv
+    option_types = [p.options for p in presets.PRESETS.values() if p.options]
+    cfg, *options = HfArgumentParser([Config, *option_types]).parse_args_into_dataclasses(args=argv)
+    given = {a.lstrip("-").split("=")[0].replace("-", "_") for a in argv if a.startswith("--")}
+    preset = presets.PRESETS[cfg.preset]
+    for opts in options:                # every preset's flags parse; only the chosen one's apply
+        if type(opts) is preset.options:
+            cfg.preset_options = asdict(opts)
+        elif misplaced := sorted(given & {f.name for f in fields(opts)}):
+            owner = next(n for n, p in presets.PRESETS.items() if p.options is type(opts))
+            raise ValueError(f"--{misplaced[0]} needs --preset {owner}")
+    for k, v in preset.overrides.items():
+        if k not in given:
+            setattr(cfg, k, v)
     return cfg
 
 
@@ -188,7 +179,8 @@ def seed_everything(seed: int) -> None:
 
 
 def rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    state = {"python": random.getstate(), "numpy": np.random.get_state(),
+             "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -206,92 +198,6 @@ def set_rng_state(state: dict) -> None:
 # Model: 4-bit base, "policy" and "critic" LoRA adapters, value head
 # ---------------------------------------------------------------------------------------------
 
-CHAT_TEMPLATE = (  # Qwen's ChatML layout, for the tiny offline tokenizer
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
-TINY_BUILD = {"hidden": 64, "layers": 2, "vocab": 1024, "warm_steps": 150, "batch": 12, "lr": 3e-3, "marker": 1}   # cache key too
-TINY_MARKER = "mpo_tiny_model.json"   # in a built tiny model's folder: load its tokenizer as built
-
-
-def build_tiny_model(path: Path, corpus: list[str], seed: int = 0, warm_start: list[list[dict]] = (),
-                     warm_steps: int = TINY_BUILD["warm_steps"], tokenizer=None) -> str:
-    """A tiny random Qwen2 (hidden 64, 2 layers) and a byte-level BPE tokenizer trained on `corpus`,
-    saved to `path` so the tiny preset loads through exactly the code path of a hub model.
-
-    `warm_start`: chat episodes (e.g. scripted oracle episodes on the *training* knowledge base) to
-    fit for `warm_steps` steps first, so the tiny policy writes the <search>/<answer> protocol and
-    its rollouts have several turns; a random model only writes malformed one-turn episodes.
-    `tokenizer`: use this tokenizer (with its chat template) instead of training a BPE on `corpus`
-    (the testbed's word-level one); the model's vocabulary is len(tokenizer) either way."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
-    if (path / "config.json").exists():
-        return str(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tok = tokenizer
-    if tok is None:
-        specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-        bpe = Tokenizer(models.BPE())
-        bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        bpe.decoder = decoders.ByteLevel()
-        bpe.train_from_iterator(corpus, trainers.BpeTrainer(
-            vocab_size=TINY_BUILD["vocab"], special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-        tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                      padding_side="left")
-        tok.chat_template = CHAT_TEMPLATE
-    config = AutoConfig.for_model("qwen2", vocab_size=len(tok), hidden_size=TINY_BUILD["hidden"],
-                                  intermediate_size=2 * TINY_BUILD["hidden"], num_hidden_layers=TINY_BUILD["layers"], num_attention_heads=4, num_key_value_heads=2,
-                                  max_position_embeddings=4096, tie_word_embeddings=False,
-                                  eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    with torch.random.fork_rng():       # building the cache must not change the caller's random stream
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config)
-        if warm_start:
-            supervised_warm_start(model, tok, warm_start, warm_steps, seed)
-    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    (tmp / TINY_MARKER).write_text(json.dumps(TINY_BUILD))
-    try:
-        os.replace(tmp, path)
-    except OSError:                 # another process finished the same build first: use theirs
-        shutil.rmtree(tmp, ignore_errors=True)
-    return str(path)
-
-
-def supervised_warm_start(model, tok, episodes: list[list[dict]], steps: int, seed: int,
-                          batch_size: int = TINY_BUILD["batch"], lr: float = TINY_BUILD["lr"]) -> None:
-    """Next-token training on the assistant tokens of chat episodes, laid out exactly as a rollout
-    lays them out (prompt, turn, observation, turn, ...)."""
-    from tqdm import tqdm
-    rows = []
-    for msgs in episodes:
-        ids, mask = render_ids(tok, msgs[:2], enable_thinking=False), []
-        mask = [0] * len(ids)
-        for i in range(2, len(msgs), 2):
-            turn = tok(msgs[i]["content"], add_special_tokens=False).input_ids + [tok.eos_token_id]
-            ids, mask = ids + turn, mask + [1] * len(turn)
-            if i + 1 < len(msgs):
-                obs = observation_ids(tok, msgs[:i + 1], msgs[i + 1]["content"], turn[-1], enable_thinking=False)
-                ids, mask = ids + obs, mask + [0] * len(obs)
-        rows.append((ids, mask))
-    g = torch.Generator().manual_seed(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    model.train()
-    for _ in tqdm(range(steps), desc="tiny warm start", leave=False):
-        pick = torch.randint(len(rows), (batch_size,), generator=g).tolist()
-        T = max(len(rows[i][0]) for i in pick)
-        ids = torch.tensor([rows[i][0] + [tok.pad_token_id] * (T - len(rows[i][0])) for i in pick])
-        labels = torch.tensor([[t if m else -100 for t, m in zip(*rows[i])] + [-100] * (T - len(rows[i][0])) for i in pick])
-        loss = model(input_ids=ids, attention_mask=(labels != -100) | (ids != tok.pad_token_id), labels=labels).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-
-
 class ValueHead(nn.Module):
     """V(prefix) from the critic adapter's last hidden state: one linear layer, kept in float32."""
 
@@ -306,13 +212,15 @@ class ValueHead(nn.Module):
 
 
 def load_model(cfg: Config, device: torch.device):
-    """Tokenizer, the PEFT model (frozen base + "policy" and "critic" adapters) and the value head."""
+    """Tokenizer, the PEFT model (frozen base + "policy" and "critic" adapters), the value head."""
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
-    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, PreTrainedTokenizerFast
+    from transformers import (AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig,
+                              PreTrainedTokenizerFast)
     # transformers maps any qwen2 checkpoint to Qwen2Tokenizer, whose pre-tokenisation differs from
     # the tokenizer a tiny model was built and warm-started with: load ours exactly as saved.
-    tiny = (Path(cfg.model) / TINY_MARKER).exists()
-    tok = (PreTrainedTokenizerFast if tiny else AutoTokenizer).from_pretrained(cfg.model, padding_side="left")
+    as_saved = (Path(cfg.model) / presets.TINY_MARKER).exists()
+    tok = (PreTrainedTokenizerFast if as_saved else AutoTokenizer).from_pretrained(
+        cfg.model, padding_side="left")
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -321,20 +229,24 @@ def load_model(cfg: Config, device: torch.device):
         try:
             import bitsandbytes  # noqa: F401
         except ImportError as e:
-            raise SystemExit("--load_in_4bit needs bitsandbytes: pip install -r requirements.txt") from e
+            raise SystemExit("--load_in_4bit needs bitsandbytes: "
+                             "pip install -r requirements.txt") from e
         kwargs["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
             bnb_4bit_compute_dtype=compute_dtype)
     base = AutoModelForCausalLM.from_pretrained(cfg.model, device_map={"": device}, **kwargs)
     if cfg.load_in_4bit:
-        base = prepare_model_for_kbit_training(base, use_gradient_checkpointing=cfg.gradient_checkpointing,
-                                               gradient_checkpointing_kwargs={"use_reentrant": False})
+        base = prepare_model_for_kbit_training(
+            base, use_gradient_checkpointing=cfg.gradient_checkpointing,
+            gradient_checkpointing_kwargs={"use_reentrant": False})
         _cpu_4bit_workaround(base)
     elif cfg.gradient_checkpointing:
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     # LoRA dropout 0: the first minibatch's ratio must be exactly 1 (old_logp = logp).
-    lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=0.0, task_type="CAUSAL_LM",
-                      target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=0.0,
+                      task_type="CAUSAL_LM", target_modules=["q_proj", "k_proj", "v_proj",
+                                                             "o_proj", "gate_proj", "up_proj",
+                                                             "down_proj"])
     model = get_peft_model(base, lora, adapter_name="policy")
     model.add_adapter("critic", lora)
     value_head = ValueHead(base.config.hidden_size).to(device)
@@ -358,7 +270,8 @@ def use_adapter(model, name: str) -> None:
 
 def hidden_states(model, ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
     """Last hidden state of the active adapter's model (no vocabulary projection): (B, T, H)."""
-    return model.get_base_model().get_decoder()(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state
+    decoder = model.get_base_model().get_decoder()
+    return decoder(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state
 
 
 def token_logprobs(model, ids, attn, act, temperature: float = 1.0):
@@ -369,11 +282,13 @@ def token_logprobs(model, ids, attn, act, temperature: float = 1.0):
     """
     h = hidden_states(model, ids, attn)                                        # (B, T, H)
     sel = act[:, 1:]                                                           # (B, T-1)
-    logits = model.get_base_model().get_output_embeddings()(h[:, :-1][sel]).float() / temperature  # (N, V)
+    lm_head = model.get_base_model().get_output_embeddings()
+    logits = lm_head(h[:, :-1][sel]).float() / temperature                     # (N, V)
     logp_all = torch.log_softmax(logits, dim=-1)
     lp = logp_all.gather(1, ids[:, 1:][sel][:, None]).squeeze(1)               # (N,)
     with torch.no_grad():           # a diagnostic: no graph through another (N, V) tensor
-        entropy = -(logp_all.exp() * logp_all).sum(-1).mean() if lp.numel() else logits.new_zeros(())
+        entropy = (-(logp_all.exp() * logp_all).sum(-1).mean() if lp.numel()
+                   else logits.new_zeros(()))
     out = torch.zeros(ids.shape, dtype=lp.dtype, device=ids.device)
     out[:, 1:] = out[:, 1:].masked_scatter(sel, lp)
     return out, entropy                                                        # (B, T), ()
@@ -391,7 +306,7 @@ def token_values(model, value_head, ids, attn):
 
 @dataclass
 class Suite:
-    """What the loop needs from a task family; add a branch to `make_suite` for your own.
+    """What the loop needs from a task family; a preset brings its own (presets.py).
 
     make_env(task) returns an object with reset() -> chat messages and step(text) -> StepResult
     (the interface of search_env.Environment). Tasks are grouped by identity for GRPO and pass@k.
@@ -400,33 +315,26 @@ class Suite:
     val: list                            # validation tasks
     make_env: Callable                   # task -> Environment
     stop_strings: tuple[str, ...] = ()   # a turn ends at one of these (or at end-of-turn / budget)
-    corpus: list[str] = field(default_factory=list)   # text for the tiny preset's tokenizer
-    warm_start: Callable | None = None   # () -> chat episodes for the tiny model's warm start
-    tokenizer: Callable | None = None    # () -> the tiny model's tokenizer (default: a BPE trained on corpus)
+    corpus: list[str] = field(default_factory=list)   # text for a built model's tokenizer
+    warm_start: Callable | None = None   # () -> chat episodes for a built model's warm start
+    tokenizer: Callable | None = None    # () -> a built model's tokenizer (default: BPE on corpus)
 
 
-def make_suite(cfg: Config) -> Suite:
-    """The search agent of §10: synthetic multi-hop questions (default) or HotpotQA; or the testbed."""
-    if cfg.dataset == "testbed":        # testbed_env.py: K turns of L tokens, one key token per turn
-        import testbed_env
-        # The task fixes the turn budget: K turns of L tokens (K*L one-token turns when streaming).
-        cfg.max_turns, cfg.max_new_tokens = testbed_env.turn_budget(cfg.testbed_turns, cfg.testbed_turn_len, cfg.testbed_streaming)
-        cfg.max_total_tokens = max(cfg.max_total_tokens, testbed_env.max_episode_tokens(
-            cfg.testbed_turns, cfg.testbed_turn_len, cfg.testbed_streaming))
-        train, val = testbed_env.make_tasks(cfg.n_train, cfg.n_val, cfg.testbed_turns, cfg.testbed_keys, seed=cfg.seed)
-        return Suite(train, val, lambda task: testbed_env.KeyTurnEnv(task, cfg.testbed_turn_len, cfg.testbed_streaming,
-                                                                     cfg.testbed_feedback),
-                     (), [" ".join(testbed_env.words(cfg.testbed_keys))],
-                     tokenizer=lambda: testbed_env.build_tokenizer(cfg.testbed_keys))
-    if cfg.dataset == "hotpotqa" and cfg.hotpotqa_path:    # one local file: its first n_train, then n_val
+def search_suite(cfg: Config, kb_sizes: dict | None = None) -> Suite:
+    """The search agent of §10: synthetic multi-hop questions (knowledge base sizes `kb_sizes`,
+    default search_env's) or HotpotQA."""
+    if cfg.dataset == "hotpotqa" and cfg.hotpotqa_path:   # one local file: n_train, then n_val
         train = search_env.load_hotpotqa("train", n=cfg.n_train, path=cfg.hotpotqa_path)
-        val = search_env.load_hotpotqa("validation", n=cfg.n_val, path=cfg.hotpotqa_path, skip=cfg.n_train)
-    elif cfg.dataset == "hotpotqa":                         # the hub's train and validation splits
+        val = search_env.load_hotpotqa("validation", n=cfg.n_val, path=cfg.hotpotqa_path,
+                                       skip=cfg.n_train)
+    elif cfg.dataset == "hotpotqa":                       # the hub's train and validation splits
         train = search_env.load_hotpotqa("train", n=cfg.n_train)
         val = search_env.load_hotpotqa("validation", n=cfg.n_val)
+    elif cfg.dataset == "synthetic":
+        train, val = search_env.make_dataset(cfg.n_train, cfg.n_val, cfg.min_hops, cfg.max_hops,
+                                             seed=cfg.seed, **(kb_sizes or {}))
     else:
-        sizes = {} if cfg.preset == "default" else dict(n_people=24, n_organisations=8, n_cities=6, n_regions=3)
-        train, val = search_env.make_dataset(cfg.n_train, cfg.n_val, cfg.min_hops, cfg.max_hops, seed=cfg.seed, **sizes)
+        raise ValueError(f"--dataset {cfg.dataset} is a preset's task: use --preset {cfg.dataset}")
     # Each question is searched in its own split's corpus: validation never sees training documents.
     index = {split.name: search_env.BM25Search(split.docs, k=cfg.top_k) for split in (train, val)}
     by_question = {id(q): index[split.name] for split in (train, val) for q in split.questions}
@@ -435,13 +343,21 @@ def make_suite(cfg: Config) -> Suite:
         return search_env.SearchEnv(by_question[id(q)], q, max_turns=cfg.max_turns)
 
     def warm_start():                    # scripted episodes on the *training* knowledge base only
-        qs = search_env.make_questions(train.kb, 100, cfg.min_hops, cfg.max_hops, seed=cfg.seed, corpus_id=train.name)
+        qs = search_env.make_questions(train.kb, 100, cfg.min_hops, cfg.max_hops, seed=cfg.seed,
+                                       corpus_id=train.name)
         return [search_env.run_episode(search_env.SearchEnv(index[train.name], q, cfg.max_turns),
                                        search_env.reading_oracle(q)).messages for q in qs]
 
-    corpus = train.docs + val.docs + [search_env.SYSTEM_PROMPT] + [q.question for q in train.questions + val.questions]
+    corpus = (train.docs + val.docs + [search_env.SYSTEM_PROMPT]
+              + [q.question for q in train.questions + val.questions])
     return Suite(train.questions, val.questions, make_env, ("</search>", "</answer>"), corpus,
                  warm_start if train.kb is not None else None)
+
+
+def make_suite(cfg: Config) -> Suite:
+    """The task of cfg.preset (presets.py), by default the search agent of §10."""
+    preset = presets.PRESETS[cfg.preset]
+    return preset.make_suite(cfg) if preset.make_suite else search_suite(cfg)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -469,21 +385,22 @@ PLACEHOLDER = "\ue000MPO\ue000"
 
 def render_ids(tok, messages, enable_thinking: bool = False) -> list[int]:
     """The prompt's token ids through the chat template, ending with the assistant header."""
-    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False,
-                                  enable_thinking=enable_thinking)
-    return list(ids)
+    return list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                        return_dict=False, enable_thinking=enable_thinking))
 
 
-def observation_ids(tok, messages, observation: str, last_action_id: int, enable_thinking: bool = False) -> list[int]:
+def observation_ids(tok, messages, observation: str, last_action_id: int,
+                    enable_thinking: bool = False) -> list[int]:
     """Token ids between an assistant turn and the next: end of turn, the user message holding the
     observation, and the assistant header, exactly as the chat template renders them.
 
     Rendered around a placeholder for the assistant's text, so the sampled ids are never decoded
     and re-encoded (that shifts token boundaries); only the template text after them is tokenised.
     """
-    text = tok.apply_chat_template(messages + [{"role": "assistant", "content": PLACEHOLDER},
-                                               {"role": "user", "content": observation}],
-                                   add_generation_prompt=True, tokenize=False, enable_thinking=enable_thinking)
+    chat = messages + [{"role": "assistant", "content": PLACEHOLDER},
+                       {"role": "user", "content": observation}]
+    text = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False,
+                                   enable_thinking=enable_thinking)
     ids = tok(text.split(PLACEHOLDER)[-1], add_special_tokens=False).input_ids
     if ids and ids[0] == last_action_id:   # the model already emitted the end-of-turn token
         ids = ids[1:]
@@ -495,18 +412,23 @@ def generate_turns(model, tok, prompts: list[list[int]], cfg: Config, greedy: bo
                    stop_strings: tuple[str, ...] = ()) -> list[list[int]]:
     """One assistant turn for each prompt: sampled ids up to a closing tag or end-of-turn token."""
     from transformers import GenerationConfig
-    stop_ids = sorted({tok.eos_token_id, tok.pad_token_id, *tok.convert_tokens_to_ids(["<|im_end|>"])} - {None, tok.unk_token_id})
+    stop_ids = {tok.eos_token_id, tok.pad_token_id, *tok.convert_tokens_to_ids(["<|im_end|>"])}
+    stop_ids = sorted(stop_ids - {None, tok.unk_token_id})
     # Pure sampling from the model's softmax: the hub's top_p / top_k / repetition_penalty
     # defaults would make the behaviour policy differ from the π whose log-probs we train on.
-    gen = GenerationConfig(do_sample=not greedy, temperature=cfg.temperature if not greedy else None,
-                           top_p=1.0, top_k=0, repetition_penalty=1.0, max_new_tokens=cfg.max_new_tokens,
-                           eos_token_id=stop_ids, pad_token_id=tok.pad_token_id, stop_strings=list(stop_strings) or None)
+    gen = GenerationConfig(do_sample=not greedy, temperature=None if greedy else cfg.temperature,
+                           top_p=1.0, top_k=0, repetition_penalty=1.0,
+                           max_new_tokens=cfg.max_new_tokens, eos_token_id=stop_ids,
+                           pad_token_id=tok.pad_token_id, stop_strings=list(stop_strings) or None)
     out_turns = []
     for s in range(0, len(prompts), cfg.rollout_batch_size):
         chunk = prompts[s:s + cfg.rollout_batch_size]
         width = max(map(len, chunk))
-        ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in chunk], device=model.device)
-        attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=model.device)
+        pads = [width - len(p) for p in chunk]
+        ids = torch.tensor([[tok.pad_token_id] * n + p for n, p in zip(pads, chunk)],
+                           device=model.device)
+        attn = torch.tensor([[0] * n + [1] * len(p) for n, p in zip(pads, chunk)],
+                            device=model.device)
         out = model.generate(input_ids=ids, attention_mask=attn, generation_config=gen,
                              **({"tokenizer": tok} if stop_strings else {}))
         for row in out[:, width:].tolist():
@@ -519,7 +441,8 @@ def generate_turns(model, tok, prompts: list[list[int]], cfg: Config, greedy: bo
     return out_turns
 
 
-def rollout(model, tok, suite: Suite, tasks: list, cfg: Config, n: int, greedy: bool = False) -> list[Trajectory]:
+def rollout(model, tok, suite: Suite, tasks: list, cfg: Config, n: int,
+            greedy: bool = False) -> list[Trajectory]:
     """n episodes per task, all live episodes generating their next turn in one batch."""
     model.eval()
     use_adapter(model, "policy")
@@ -531,14 +454,16 @@ def rollout(model, tok, suite: Suite, tasks: list, cfg: Config, n: int, greedy: 
             ids = render_ids(tok, msgs, cfg.enable_thinking)
             trajs.append(Trajectory(ids, [-1] * len(ids), msgs, env, g))
     for turn in range(cfg.max_turns):
-        live = [t for t in trajs if not t.done]
-        for t in live:                  # the next turn would not fit: end as truncated, reward 0
-            if len(t.ids) + cfg.max_new_tokens > cfg.max_total_tokens:
-                t.done, t.info = True, {"em": 0.0, "f1": 0.0, "truncated": True, "malformed": False, "turns": turn}
+        for t in trajs:                 # the next turn would not fit: end as truncated, reward 0
+            if not t.done and len(t.ids) + cfg.max_new_tokens > cfg.max_total_tokens:
+                t.done, t.info = True, {"em": 0.0, "f1": 0.0, "truncated": True,
+                                        "malformed": False, "turns": turn}
         live = [t for t in trajs if not t.done]
         if not live:
             break
-        for t, action in zip(live, generate_turns(model, tok, [t.ids for t in live], cfg, greedy, suite.stop_strings)):
+        actions = generate_turns(model, tok, [t.ids for t in live], cfg, greedy,
+                                 suite.stop_strings)
+        for t, action in zip(live, actions):
             t.ids += action                                         # sampled ids, kept exactly
             t.turn_ids += [turn] * len(action)
             text = tok.decode(action, skip_special_tokens=True)
@@ -547,7 +472,8 @@ def rollout(model, tok, suite: Suite, tasks: list, cfg: Config, n: int, greedy: 
             if res.done:
                 t.done, t.reward, t.info = True, float(res.reward), res.info
             else:                                                   # observation: turn id -1
-                obs = observation_ids(tok, t.messages, res.observation, action[-1], cfg.enable_thinking)
+                obs = observation_ids(tok, t.messages, res.observation, action[-1],
+                                      cfg.enable_thinking)
                 t.messages = t.messages + [{"role": "user", "content": res.observation}]
                 t.ids += obs
                 t.turn_ids += [-1] * len(obs)
@@ -597,20 +523,22 @@ def score_batch(model, value_head, batch, cfg: Config) -> None:
 # ---------------------------------------------------------------------------------------------
 
 def compute_advantages(batch, cfg: Config) -> None:
-    turn_ids, values = batch["turn_ids"], batch["values"]
-    rewards = mpo.outcome_rewards(batch["scores"], turn_ids)                    # (B, T) R(τ) on the last token
-    if cfg.variant in ("mpo", "mpo_token_is", "mpo_beta0"):                     # MPO: Eq. (20) advantages
-        adv, ret = mpo.mpo_advantages(rewards, values, turn_ids, lam=cfg.lam, lam_intra=cfg.lam_intra, beta=cfg.beta)
-    elif cfg.variant == "ppo":                                                  # token GAE baseline
+    turn_ids, values, scores = batch["turn_ids"], batch["values"], batch["scores"]
+    rewards = mpo.outcome_rewards(scores, turn_ids)               # (B, T): R(τ) on the last token
+    if cfg.variant in ("mpo", "mpo_token_is", "mpo_beta0"):          # MPO: Eq. (20) advantages
+        adv, ret = mpo.mpo_advantages(rewards, values, turn_ids, lam=cfg.lam,
+                                      lam_intra=cfg.lam_intra, beta=cfg.beta)
+    elif cfg.variant == "ppo":                                       # token GAE baseline
         adv, ret = mpo.token_gae(rewards, values, turn_ids >= 0, lam=cfg.ppo_lam)
-    else:                                                                       # GRPO / GSPO
-        adv = mpo.grpo_advantages(batch["scores"], batch["groups"], turn_ids)
+    else:                                                            # GRPO / GSPO
+        adv = mpo.grpo_advantages(scores, batch["groups"], turn_ids)
         ret = torch.zeros_like(adv)
-    batch["advantages"], batch["returns"] = adv, ret
+    batch["advantages"], batch["returns"] = adv, ret                 # (B, T), (B, T)
 
 
 def ratio_level(cfg: Config) -> str:
-    return {"mpo": "turn", "mpo_beta0": "turn", "gspo": "sequence"}.get(cfg.variant, "token")   # MPO: turn ratio
+    levels = {"mpo": "turn", "mpo_beta0": "turn", "gspo": "sequence"}   # MPO: turn ratio
+    return levels.get(cfg.variant, "token")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -619,56 +547,65 @@ def ratio_level(cfg: Config) -> str:
 # ---------------------------------------------------------------------------------------------
 
 def make_optimizer(model, value_head, cfg: Config):
-    groups = [{"params": [p for n, p in model.named_parameters() if ".policy." in n], "lr": cfg.lr_policy}]
+    named = list(model.named_parameters())
+    groups = [{"params": [p for n, p in named if ".policy." in n], "lr": cfg.lr_policy}]
     if cfg.uses_critic:
-        groups += [{"params": [p for n, p in model.named_parameters() if ".critic." in n], "lr": cfg.lr_critic},
+        groups += [{"params": [p for n, p in named if ".critic." in n], "lr": cfg.lr_critic},
                    {"params": list(value_head.parameters()), "lr": cfg.lr_value_head}]
     return torch.optim.AdamW(groups, weight_decay=0.0)
 
 
+LOSS_KEYS = ("policy_loss", "value_loss", "kl_base")   # already token means over the minibatch
+
+
 def update(model, value_head, opt, batch, cfg: Config) -> dict[str, float]:
+    """PPO-style epochs over the batch; returns each statistic's mean over the minibatches."""
     model.train()
     act = batch["turn_ids"] >= 0
-    B = act.shape[0]
-    eps = cfg.gspo_clip_low if cfg.variant == "gspo" else cfg.clip_eps
-    eps_high = cfg.gspo_clip_high if cfg.variant == "gspo" else cfg.clip_eps_high
-    sums, count = {}, 0
+    gspo = cfg.variant == "gspo"
+    eps = cfg.gspo_clip_low if gspo else cfg.clip_eps
+    eps_high = cfg.gspo_clip_high if gspo else cfg.clip_eps_high
+    totals, n_minibatches = {}, 0
     params = [p for g in opt.param_groups for p in g["params"]]
     for _ in range(cfg.ppo_epochs):
-        perm = torch.randperm(B)
-        for mb in perm.chunk(cfg.minibatches):
+        for mb in torch.randperm(act.shape[0]).chunk(cfg.minibatches):
             n_tok = act[mb].sum()                   # one token mean over the whole minibatch
             opt.zero_grad(set_to_none=True)
             for micro in mb.split(cfg.micro_batch_size):
-                ids, attn, tid = batch["ids"][micro], batch["attn"][micro], batch["turn_ids"][micro]
+                ids, attn = batch["ids"][micro], batch["attn"][micro]
+                tid = batch["turn_ids"][micro]
                 use_adapter(model, "policy")
                 logp, entropy = token_logprobs(model, ids, attn, tid >= 0, cfg.temperature)
-                loss_pi, st = mpo.policy_loss(logp, batch["old_logp"][micro], batch["advantages"][micro], tid,
-                                              clip_eps=eps, ratio_level=ratio_level(cfg), clip_eps_high=eps_high,
-                                              num_tokens=n_tok, validate=False)          # MPO: turn ratio
+                loss_pi, stats = mpo.policy_loss(                                # MPO: turn ratio
+                    logp, batch["old_logp"][micro], batch["advantages"][micro], tid,
+                    clip_eps=eps, ratio_level=ratio_level(cfg), clip_eps_high=eps_high,
+                    num_tokens=n_tok, validate=False)
                 loss = loss_pi
                 if cfg.kl_coef > 0:       # k3 estimator of KL(π ‖ base), token mean
                     d = torch.where(tid >= 0, batch["ref_logp"][micro] - logp, 0.0)
                     kl = torch.where(tid >= 0, d.exp() - 1 - d, 0.0).sum() / n_tok
                     loss = loss + cfg.kl_coef * kl
-                    st["kl_base"] = kl.detach()
+                    stats["kl_base"] = kl.detach()
                 loss.backward()           # before switching adapters (see use_adapter)
-                st.update(policy_loss=loss_pi.detach(), entropy=entropy)
+                stats.update(policy_loss=loss_pi.detach(), entropy=entropy)
                 if cfg.uses_critic:
                     use_adapter(model, "critic")
                     v = token_values(model, value_head, ids, attn)
-                    loss_v = mpo.value_loss(v, batch["values"][micro], batch["returns"][micro], tid,
-                                            clip=cfg.value_clip or None, num_tokens=n_tok, validate=False)
+                    loss_v = mpo.value_loss(v, batch["values"][micro], batch["returns"][micro],
+                                            tid, clip=cfg.value_clip or None, num_tokens=n_tok,
+                                            validate=False)
                     (cfg.vf_coef * loss_v).backward()
-                    st["value_loss"] = loss_v.detach()
-                w = float((tid >= 0).sum()) / max(float(n_tok), 1.0)
-                for k, v_ in st.items():
-                    sums[k] = sums.get(k, 0.0) + float(v_) * (w if k not in ("policy_loss", "value_loss", "kl_base") else 1.0)
+                    stats["value_loss"] = loss_v.detach()
+                # per-micro-batch means (clip fraction, entropy) count by their share of tokens
+                token_share = float((tid >= 0).sum()) / max(float(n_tok), 1.0)
+                for name, value in stats.items():
+                    weight = 1.0 if name in LOSS_KEYS else token_share
+                    totals[name] = totals.get(name, 0.0) + float(value) * weight
             grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
             opt.step()
-            sums["grad_norm"] = sums.get("grad_norm", 0.0) + float(grad_norm)
-            count += 1
-    return {k: v / count for k, v in sums.items()}
+            totals["grad_norm"] = totals.get("grad_norm", 0.0) + float(grad_norm)
+            n_minibatches += 1
+    return {name: total / n_minibatches for name, total in totals.items()}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -683,27 +620,31 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def pass_hat_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass^k: the probability that k samples (without replacement) all succeed, C(c, k) / C(n, k)."""
+    """Unbiased pass^k: the chance that k samples (without replacement) all succeed,
+    C(c, k) / C(n, k)."""
     if not 0 <= c <= n or not 1 <= k <= n:
         raise ValueError(f"pass^k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
     return math.comb(c, k) / math.comb(n, k)
 
 
 def episode_stats(trajs: list[Trajectory], n: int, prefix: str) -> dict[str, float]:
+    """pass@k and pass^k over each task's n episodes, and means over all episodes."""
     groups: dict[int, list[Trajectory]] = {}
     for t in trajs:
         groups.setdefault(t.group, []).append(t)
+    correct = [sum(t.reward > 0 for t in g) for g in groups.values()]
     out = {}
     for k in range(1, n + 1):
-        out[f"{prefix}pass@{k}"] = float(np.mean([pass_at_k(n, sum(t.reward > 0 for t in g), k) for g in groups.values()]))
+        out[f"{prefix}pass@{k}"] = float(np.mean([pass_at_k(n, c, k) for c in correct]))
         if k > 1:
-            out[f"{prefix}pass^{k}"] = float(np.mean([pass_hat_k(n, sum(t.reward > 0 for t in g), k) for g in groups.values()]))
-    n_tok = [sum(x >= 0 for x in t.turn_ids) for t in trajs]
+            out[f"{prefix}pass^{k}"] = float(np.mean([pass_hat_k(n, c, k) for c in correct]))
+    n_tok = sum(sum(x >= 0 for x in t.turn_ids) for t in trajs)
     out[prefix + "reward"] = float(np.mean([t.reward for t in trajs]))
     out[prefix + "f1"] = float(np.mean([t.info.get("f1", 0.0) for t in trajs]))
     out[prefix + "turns"] = float(np.mean([t.n_turns for t in trajs]))
-    out[prefix + "tokens_per_turn"] = float(sum(n_tok) / max(sum(t.n_turns for t in trajs), 1))
-    out[prefix + "format_error_rate"] = float(np.mean([bool(t.info.get("malformed")) for t in trajs]))
+    out[prefix + "tokens_per_turn"] = float(n_tok / max(sum(t.n_turns for t in trajs), 1))
+    out[prefix + "format_error_rate"] = float(np.mean([bool(t.info.get("malformed"))
+                                                       for t in trajs]))
     return out
 
 
@@ -713,14 +654,25 @@ def evaluate(model, tok, suite: Suite, cfg: Config) -> dict[str, float]:
     return episode_stats(trajs, n, "val/")
 
 
+def data_order(n: int, seed: int, epoch: int) -> list[int]:
+    """The question order of one pass over the training set: a function of (seed, epoch) only."""
+    return np.random.default_rng([seed, epoch]).permutation(n).tolist()
+
+
+CHECKPOINT_FILES = ("adapters/policy/adapter_model.safetensors",   # the files of one checkpoint
+                    "adapters/critic/adapter_model.safetensors", "value_head.safetensors",
+                    "trainer_state.pt", "state.json")
+
+
 def save_checkpoint(out: Path, model, value_head, opt, state: dict) -> Path:
-    """Write the checkpoint to a temporary folder, then rename: a crash never leaves half of one."""
+    """Write the checkpoint to a temporary folder, then rename: a crash never leaves half of one.
+    Adapters and value head as safetensors; optimiser and RNG states in one torch dict."""
     from safetensors.torch import save_file
     final = out / "checkpoints" / f"step_{state['step']:06d}"
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    model.save_pretrained(tmp / "adapters", selected_adapters=["policy", "critic"])   # adapters/policy, adapters/critic
+    model.save_pretrained(tmp / "adapters", selected_adapters=["policy", "critic"])
     save_file(value_head.state_dict(), tmp / "value_head.safetensors")
     torch.save({"optimizer": opt.state_dict(), "rng": rng_state()}, tmp / "trainer_state.pt")
     (tmp / "state.json").write_text(json.dumps(state, indent=1))
@@ -731,20 +683,17 @@ def save_checkpoint(out: Path, model, value_head, opt, state: dict) -> Path:
     return final
 
 
-REQUIRED = ("adapters/policy/adapter_model.safetensors", "adapters/critic/adapter_model.safetensors",
-            "value_head.safetensors", "trainer_state.pt", "state.json")
-
-
 def load_checkpoint(ckpt: Path, model, value_head, opt, restore_rng: bool = True) -> dict:
     """Restore adapters, value head, optimiser and RNG states; refuse an incomplete checkpoint."""
     from peft import set_peft_model_state_dict
     from peft.utils import load_peft_weights
     from safetensors.torch import load_file
-    missing = [p for p in REQUIRED if not (ckpt / p).exists()]
+    missing = [p for p in CHECKPOINT_FILES if not (ckpt / p).exists()]
     if missing:
         raise ValueError(f"checkpoint {ckpt} is incomplete, missing: {', '.join(missing)}")
     for name in ("policy", "critic"):
-        set_peft_model_state_dict(model, load_peft_weights(str(ckpt / "adapters" / name)), adapter_name=name)
+        weights = load_peft_weights(str(ckpt / "adapters" / name))
+        set_peft_model_state_dict(model, weights, adapter_name=name)
     value_head.load_state_dict(load_file(ckpt / "value_head.safetensors"))
     trainer = torch.load(ckpt / "trainer_state.pt", weights_only=False)
     if opt is not None:
@@ -777,7 +726,8 @@ class StopFlag:
 def eval_only(cfg: Config, model, value_head, tok, suite: Suite, out: Path) -> dict:
     """Validate a checkpoint (or the untouched base model) and write out_dir/eval_<name>.json."""
     if not cfg.checkpoint:
-        raise ValueError("--eval_only needs --checkpoint (a checkpoint folder, a run folder, or 'base')")
+        raise ValueError("--eval_only needs --checkpoint (a checkpoint folder, a run folder, "
+                         "or 'base')")
     if cfg.checkpoint == "base":
         with model.disable_adapter():
             row = evaluate(model, tok, suite, cfg)
@@ -797,9 +747,14 @@ def eval_only(cfg: Config, model, value_head, tok, suite: Suite, out: Path) -> d
     return row
 
 
-def data_order(n: int, seed: int, epoch: int) -> list[int]:
-    """The question order of one pass over the training set: a function of (seed, epoch) only."""
-    return np.random.default_rng([seed, epoch]).permutation(n).tolist()
+def log_line(row: dict, stats: dict) -> str:
+    """The one line printed per step."""
+    val = f"{row['val/pass@1']:.3f}" if "val/pass@1" in row else "  -  "
+    mem = f"{row['mem/peak_gb']:.1f} GB" if math.isfinite(row["mem/peak_gb"]) else "-"
+    return (f"step {row['step']:4d} | reward {row['train/reward']:.3f} | val pass@1 {val} "
+            f"| pi {stats.get('policy_loss', 0):+.4f} v {stats.get('value_loss', 0):.4f} "
+            f"| clip {stats.get('clip_frac', 0):.3f} | {row['time/step_s']:.1f} s/step "
+            f"{row['tokens_per_s']:.0f} tok/s | mem {mem}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -809,8 +764,8 @@ def data_order(n: int, seed: int, epoch: int) -> list[int]:
 def main(argv=None) -> dict:
     cfg = parse_config(argv)
     if cfg.preset == "default" and not torch.cuda.is_available() and cfg.device != "cpu":
-        print("No CUDA GPU found: the default run needs one (24 GB). "
-              "On this machine run `python train_min.py --preset tiny` for the CPU demo of the whole loop.",
+        print("No CUDA GPU found: the default run needs one (24 GB). On this machine run "
+              "`python train_min.py --preset tiny` for the CPU demo of the whole loop.",
               file=sys.stderr)
         raise SystemExit(2)
     device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -824,90 +779,88 @@ def main(argv=None) -> dict:
         torch.cuda.set_per_process_memory_fraction(min(1.0, cfg.memory_cap_gb / total), device)
 
     suite = make_suite(cfg)
-    if cfg.model == "tiny":
-        episodes = suite.warm_start() if suite.warm_start else []
-        key = hashlib.sha1(json.dumps([suite.corpus, episodes, cfg.seed, TINY_BUILD]).encode()).hexdigest()[:12]
-        cache = Path(os.environ.get("MPO_CACHE", "~/.cache/mpo")).expanduser()    # built once per content
-        cfg.model = build_tiny_model(cache / f"tiny-qwen2-{key}", suite.corpus, seed=cfg.seed, warm_start=episodes,
-                                     tokenizer=suite.tokenizer() if suite.tokenizer else None)
+    preset = presets.PRESETS[cfg.preset]
+    if preset.prepare_model:            # e.g. --preset tiny builds (or finds) its model folder
+        cfg.model = preset.prepare_model(cfg, suite)
     tok, model, value_head = load_model(cfg, device)
     opt = make_optimizer(model, value_head, cfg)
-    if not cfg.eval_only:
-        (out / "config.json").write_text(json.dumps(asdict(cfg), indent=1))
-
     if cfg.eval_only:
         return eval_only(cfg, model, value_head, tok, suite, out)
+    (out / "config.json").write_text(json.dumps(asdict(cfg), indent=1))
 
     step, metrics_path = 0, out / "metrics.jsonl"
     ckpt = latest_checkpoint(out) if cfg.resume else None
     if ckpt is not None:
         step = load_checkpoint(ckpt, model, value_head, opt)["step"]
         lines = metrics_path.read_text().splitlines() if metrics_path.exists() else []
-        metrics_path.write_text("".join(l + "\n" for l in lines if json.loads(l)["step"] <= step))
+        kept = [line + "\n" for line in lines if json.loads(line)["step"] <= step]
+        metrics_path.write_text("".join(kept))
         print(f"resumed from {ckpt} at step {step}")
     elif metrics_path.exists():
         metrics_path.unlink()
-
-    from tqdm import tqdm
     tb = None
     if cfg.tensorboard:
         from torch.utils.tensorboard import SummaryWriter   # needs `pip install tensorboard`
         tb = SummaryWriter(str(out / "tb"))
-    stop = StopFlag()
-    per_step = cfg.questions_per_step
-    last = {}
-    bar = tqdm(range(step, cfg.steps), initial=step, total=cfg.steps, desc=f"{cfg.variant}", dynamic_ncols=True)
+    from tqdm import tqdm
+    stop, row = StopFlag(), {}
+    bar = tqdm(range(step, cfg.steps), initial=step, total=cfg.steps, desc=cfg.variant,
+               dynamic_ncols=True)
     for step in bar:
         t0 = time.perf_counter()
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        # --- rollout ---
-        start = step * per_step
+        # --- rollout: the next questions in data order, n_rollouts episodes each ---
+        start = step * cfg.questions_per_step
         order = data_order(len(suite.train), cfg.seed, start // len(suite.train))
-        tasks = [suite.train[order[(start + i) % len(order)]] for i in range(per_step)]
+        tasks = [suite.train[order[(start + i) % len(order)]]
+                 for i in range(cfg.questions_per_step)]
         trajs = rollout(model, tok, suite, tasks, cfg, cfg.n_rollouts)
         batch = collate(trajs, tok.pad_token_id, device)
         score_batch(model, value_head, batch, cfg)
         t_rollout = time.perf_counter() - t0
-        # --- advantages and update ---
-        compute_advantages(batch, cfg)
+        # --- advantages ---
+        compute_advantages(batch, cfg)                               # MPO: Eq. (20) advantages
+        # --- update ---
         stats = update(model, value_head, opt, batch, cfg)
         t_step = time.perf_counter() - t0
+        # --- evaluation / logging / checkpoint ---
+        done = step + 1
         act = batch["turn_ids"] >= 0
-        row = {"step": step + 1, **episode_stats(trajs, cfg.n_rollouts, "train/"), **{f"loss/{k}": v for k, v in stats.items()},
-               "adv/mean": float(batch["advantages"][act].mean()), "adv/std": float(batch["advantages"][act].std()),
-               "time/rollout_s": t_rollout, "time/update_s": t_step - t_rollout, "time/step_s": t_step,
-               "tokens_per_s": float(act.sum()) / t_rollout,
-               "mem/peak_gb": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")}
+        adv = batch["advantages"][act]
+        row = {"step": done, **episode_stats(trajs, cfg.n_rollouts, "train/"),
+               **{f"loss/{k}": v for k, v in stats.items()},
+               "adv/mean": float(adv.mean()), "adv/std": float(adv.std()),
+               "time/rollout_s": t_rollout, "time/update_s": t_step - t_rollout,
+               "time/step_s": t_step, "tokens_per_s": float(act.sum()) / t_rollout,
+               "mem/peak_gb": (torch.cuda.max_memory_allocated() / 2**30
+                               if device.type == "cuda" else float("nan"))}
         if cfg.uses_critic:
-            row["critic/explained_variance"] = float(mpo.explained_variance(batch["values"], batch["returns"], batch["turn_ids"]))
-        if cfg.uses_critic and ((step + 1) % cfg.structure_every == 0 or step + 1 == cfg.steps):
-            structure = mpo.turn_value_structure(batch["values"], batch["turn_ids"])   # §9: turn structure
-            row.update({f"critic/{k}": v for k, v in structure.items()})
-        if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
+            row["critic/explained_variance"] = float(mpo.explained_variance(
+                batch["values"], batch["returns"], batch["turn_ids"]))
+            if done % cfg.structure_every == 0 or done == cfg.steps:    # §9: turn structure
+                structure = mpo.turn_value_structure(batch["values"], batch["turn_ids"])
+                row.update({f"critic/{k}": v for k, v in structure.items()})
+        if done % cfg.eval_every == 0 or done == cfg.steps:
             row.update(evaluate(model, tok, suite, cfg))
         with metrics_path.open("a") as f:
             f.write(json.dumps(row) + "\n")
         if tb is not None:
             for k, v in row.items():
                 if isinstance(v, (int, float)) and k != "step" and math.isfinite(v):
-                    tb.add_scalar(k, v, step + 1)
-        last = row
-        val_p1 = f"{row['val/pass@1']:.3f}" if "val/pass@1" in row else "  -  "
-        mem = f"{row['mem/peak_gb']:.1f} GB" if device.type == "cuda" else "-"
-        bar.write(f"step {step + 1:4d} | reward {row['train/reward']:.3f} | val pass@1 {val_p1} "
-                  f"| pi {stats.get('policy_loss', 0):+.4f} v {stats.get('value_loss', 0):.4f} | clip {stats.get('clip_frac', 0):.3f} "
-                  f"| {t_step:.1f} s/step {row['tokens_per_s']:.0f} tok/s | mem {mem}")
-        if (step + 1) % cfg.save_every == 0 or step + 1 == cfg.steps or stop.stop:
-            save_checkpoint(out, model, value_head, opt, {"step": step + 1, "questions_seen": (step + 1) * per_step,
-                                                          "data_order": "data_order(n_train, seed, epoch)", "config": asdict(cfg)})
+                    tb.add_scalar(k, v, done)
+        bar.write(log_line(row, stats))
+        if done % cfg.save_every == 0 or done == cfg.steps or stop.stop:
+            save_checkpoint(out, model, value_head, opt, {
+                "step": done, "questions_seen": done * cfg.questions_per_step,
+                "data_order": "data_order(n_train, seed, epoch)", "config": asdict(cfg)})
         if stop.stop:
-            print(f"stopped at step {step + 1}; resume with --resume", file=sys.stderr)
+            print(f"stopped at step {done}; resume with --resume", file=sys.stderr)
             break
     bar.close()
     if tb is not None:
         tb.close()
-    return last
+    return row
 
 
 if __name__ == "__main__":

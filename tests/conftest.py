@@ -14,18 +14,13 @@ off action positions, as the contract requires.
 from __future__ import annotations
 
 import os
-import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 # --- Hypothesis profiles --------------------------------------------------------------------------

@@ -2,14 +2,8 @@
 from __future__ import annotations
 
 import signal
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-import train_min  # noqa: E402
+import train_min
 
 
 def run_main(argv: list[str]) -> dict:

@@ -7,21 +7,15 @@ test_train_min.py (two threads on a loaded 2-core machine are ~1000x slower for 
 from __future__ import annotations
 
 import json
-import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-import sweep  # noqa: E402
-import train_min  # noqa: E402
-from helpers import run_main  # noqa: E402
+import presets
+import sweep
+import train_min
+from helpers import run_main
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +23,7 @@ def tiny_model(tmp_path_factory) -> str:
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     suite = train_min.make_suite(train_min.parse_config(["--preset", "tiny"]))
-    path = train_min.build_tiny_model(tmp_path_factory.mktemp("model") / "tiny", suite.corpus)
+    path = presets.build_tiny_model(tmp_path_factory.mktemp("model") / "tiny", suite.corpus)
     yield path
     torch.set_num_threads(n)
 

@@ -11,22 +11,17 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-import mpo  # noqa: E402
-import study  # noqa: E402
-import testbed_env as te  # noqa: E402
-import train_min  # noqa: E402
-from helpers import run_main  # noqa: E402
+import mpo
+import presets
+import study
+import testbed_env as te
+import train_min
+from helpers import run_main
 
 CPU = torch.device("cpu")
 # The CI learning test: seed, budget and threshold. Seed 1 of the default preset (MPO, L = 4)
@@ -146,7 +141,7 @@ def base(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def tiny_path(base) -> str:
-    return train_min.build_tiny_model(base / "tiny-testbed", [" ".join(te.words(8))], seed=0,
+    return presets.build_tiny_model(base / "tiny-testbed", [" ".join(te.words(8))], seed=0,
                                       tokenizer=te.build_tokenizer(8))
 
 
@@ -178,7 +173,7 @@ def test_rollout_turn_ids_layout_and_rewards_match_the_sampled_keys(tiny_path, b
     assert torch.equal(mpo.turn_ids_from_mask(act), batch["turn_ids"])             # contiguous, in order
     checked = 0
     for t in trajs:
-        n_turns = cfg.testbed_turns * (L if streaming else 1)
+        n_turns = cfg.preset_options["testbed_turns"] * (L if streaming else 1)
         assert t.n_turns == n_turns and t.done and not t.info.get("truncated")
         lengths = [sum(1 for x in t.turn_ids if x == k) for k in range(n_turns)]
         assert all(n == 1 for n in lengths) if streaming else all(1 <= n <= L for n in lengths)
@@ -187,7 +182,7 @@ def test_rollout_turn_ids_layout_and_rewards_match_the_sampled_keys(tiny_path, b
         words = [[tok.convert_ids_to_tokens(i) for i, x in zip(t.ids, t.turn_ids) if x == k and i not in tok.all_special_ids]
                  for k in range(n_turns)][::L if streaming else 1]
         assert t.info["correct"] == [int(w[:1] == [te.key_word(key)]) for w, key in zip(words, t.env.task.keys)]
-        assert t.reward == pytest.approx(sum(t.info["correct"]) / cfg.testbed_turns)
+        assert t.reward == pytest.approx(sum(t.info["correct"]) / cfg.preset_options["testbed_turns"])
         if not any(i in tok.all_special_ids for i, k in zip(t.ids, t.turn_ids) if k >= 0):
             # Sampled ids are kept exactly: re-rendering the chat gives the same ids.
             assert t.ids == train_min.render_ids(tok, t.messages)[:len(t.ids)]

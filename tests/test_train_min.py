@@ -3,7 +3,7 @@ token ids kept exactly across turns, pass@k, the tiny preset end to end, exact r
 checkpoints and the CLI's failure modes.
 
 Everything runs on CPU. The unit tests share one tiny random Qwen2 (4-bit NF4 through
-bitsandbytes) built once with `build_tiny_model` in a tmp dir. The end-to-end runs of `main` build
+bitsandbytes) built once with `presets.build_tiny_model` in a tmp dir. The end-to-end runs of `main` build
 their own tiny model in a tmp MPO_CACHE (never ~/.cache) with a 4-step supervised warm start
 instead of 150 (~minutes on 2 CPU cores); the loop itself runs unchanged. Torch runs
 single-threaded here: on a loaded 2-core machine two OpenMP threads make each tiny matmul ~1000x
@@ -26,15 +26,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+import mpo
+import presets
+import search_env
+import train_min
+from helpers import run_main
 
-import mpo  # noqa: E402
-import search_env  # noqa: E402
-import train_min  # noqa: E402
-from helpers import run_main  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 CPU = torch.device("cpu")
 VOLATILE = ("time/", "tokens_per_s", "mem/")     # metrics that legitimately differ between runs
@@ -56,7 +54,7 @@ def base(tmp_path_factory) -> Path:
 def tiny_path(base) -> str:
     """The tiny model, built once, where `main` looks for it for out_dirs inside `base`."""
     cfg = train_min.parse_config(["--preset", "tiny", "--out_dir", str(base / "unused")])
-    return train_min.build_tiny_model(base / ".tiny-qwen2", train_min.make_suite(cfg).corpus)
+    return presets.build_tiny_model(base / ".tiny-qwen2", train_min.make_suite(cfg).corpus)
 
 
 def make_cfg(tiny_path, base, *extra: str) -> train_min.Config:
@@ -117,7 +115,7 @@ WARM_STEPS = 4
 def e2e(base):
     """For `main`: a private model cache and a short warm start (the build is keyed and cached, so
     the runs of this module build it once)."""
-    real = train_min.build_tiny_model
+    real = presets.build_tiny_model
 
     def quick_build(*args, **kwargs):
         if "warm_steps" in inspect.signature(real).parameters:
@@ -126,7 +124,7 @@ def e2e(base):
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("MPO_CACHE", str(base / "mpo-cache"))
-        mp.setattr(train_min, "build_tiny_model", quick_build)
+        mp.setattr(presets, "build_tiny_model", quick_build)
         yield base
 
 
@@ -658,6 +656,8 @@ def test_unknown_variant_is_a_value_error_naming_the_flag():
         train_min.parse_config(["--variant", "nope"])
     with pytest.raises(ValueError, match="--preset"):
         train_min.parse_config(["--preset", "huge"])
+    with pytest.raises(ValueError, match="--testbed_turns needs --preset testbed"):
+        train_min.parse_config(["--preset", "tiny", "--testbed_turns", "2"])
 
 
 def test_hotpotqa_suite_from_one_local_file_has_disjoint_train_and_validation_questions():

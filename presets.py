@@ -1,0 +1,237 @@
+"""The presets of train_min.py: CPU-sized runs of the same loop, and the scaffolding they need that
+the paper's run does not (a tiny Qwen2 built on the spot, its supervised warm start, the
+credit-assignment testbed of testbed_env.py).
+
+    python train_min.py --preset tiny       # the whole loop on CPU with a tiny random Qwen2
+    python train_min.py --preset testbed    # a CPU task a tiny model learns from scratch
+
+A preset is one entry of PRESETS. train_min.parse_config applies its `overrides` (unless the flag is
+given) and parses its `options` as extra flags; train_min.main builds the task with `make_suite`,
+then the model with `prepare_model`. To add one: write its functions here and add one `Preset(...)`
+to PRESETS. This module imports train_min only inside functions (train_min imports it at the top).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+
+@dataclass
+class Preset:
+    """One `--preset NAME` of train_min.py."""
+    overrides: dict = field(default_factory=dict)  # Config values, unless given on the command line
+    prepare_model: Callable | None = None  # (cfg, suite) -> str: build/cache a model, the cfg.model
+    make_suite: Callable | None = None     # (cfg) -> Suite: the task (None: train_min.search_suite)
+    options: type | None = None            # dataclass of the preset's own flags: cfg.preset_options
+
+
+# ---------------------------------------------------------------------------------------------
+# The tiny model: a random Qwen2 and a tokenizer, built once per content and cached
+# ---------------------------------------------------------------------------------------------
+
+CHAT_TEMPLATE = (  # Qwen's ChatML layout, for the tiny offline tokenizer
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# The tiny model's shape and warm start; part of its cache key.
+TINY_BUILD = {"hidden": 64, "layers": 2, "vocab": 1024, "warm_steps": 150, "batch": 12, "lr": 3e-3,
+              "marker": 1}
+TINY_MARKER = "mpo_tiny_model.json"   # in a built tiny model's folder: load its tokenizer as saved
+
+
+def supervised_warm_start(model, tok, episodes: list[list[dict]], steps: int, seed: int,
+                          batch_size: int = TINY_BUILD["batch"],
+                          lr: float = TINY_BUILD["lr"]) -> None:
+    """Next-token training on the assistant tokens of chat episodes, laid out exactly as a rollout
+    lays them out (prompt, turn, observation, turn, ...)."""
+    from tqdm import tqdm
+
+    from train_min import observation_ids, render_ids
+    rows = []                           # (token ids, 1 on assistant tokens) per episode
+    for msgs in episodes:
+        ids = render_ids(tok, msgs[:2], enable_thinking=False)
+        mask = [0] * len(ids)
+        for i in range(2, len(msgs), 2):
+            turn = tok(msgs[i]["content"], add_special_tokens=False).input_ids + [tok.eos_token_id]
+            ids, mask = ids + turn, mask + [1] * len(turn)
+            if i + 1 < len(msgs):
+                obs = observation_ids(tok, msgs[:i + 1], msgs[i + 1]["content"], turn[-1],
+                                      enable_thinking=False)
+                ids, mask = ids + obs, mask + [0] * len(obs)
+        rows.append((ids, mask))
+    g = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    model.train()
+    for _ in tqdm(range(steps), desc="tiny warm start", leave=False):
+        pick = torch.randint(len(rows), (batch_size,), generator=g).tolist()
+        T = max(len(rows[i][0]) for i in pick)
+        pad = {i: T - len(rows[i][0]) for i in pick}
+        ids = torch.tensor([rows[i][0] + [tok.pad_token_id] * pad[i] for i in pick])
+        labels = torch.tensor([[t if m else -100 for t, m in zip(*rows[i])] + [-100] * pad[i]
+                               for i in pick])
+        attn = (labels != -100) | (ids != tok.pad_token_id)
+        loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+def bpe_tokenizer(corpus: list[str]):
+    """A byte-level BPE of TINY_BUILD["vocab"] tokens trained on `corpus`, with Qwen's specials."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=TINY_BUILD["vocab"],
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>",
+                                  pad_token="<|endoftext|>", padding_side="left")
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def build_tiny_model(path: Path, corpus: list[str], seed: int = 0,
+                     warm_start: list[list[dict]] = (), warm_steps: int = TINY_BUILD["warm_steps"],
+                     tokenizer=None) -> str:
+    """A tiny random Qwen2 (hidden 64, 2 layers) and a byte-level BPE tokenizer trained on `corpus`,
+    saved to `path` so the tiny preset loads through exactly the code path of a hub model.
+
+    `warm_start`: chat episodes (e.g. scripted oracle episodes on the *training* knowledge base) to
+    fit for `warm_steps` steps first, so the tiny policy writes the <search>/<answer> protocol and
+    its rollouts have several turns; a random model only writes malformed one-turn episodes.
+    `tokenizer`: use this tokenizer (with its chat template) instead of training a BPE on `corpus`
+    (the testbed's word-level one); the model's vocabulary is len(tokenizer) either way."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    if (path / "config.json").exists():
+        return str(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tok = tokenizer if tokenizer is not None else bpe_tokenizer(corpus)
+    hidden = TINY_BUILD["hidden"]
+    config = AutoConfig.for_model(
+        "qwen2", vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden,
+        num_hidden_layers=TINY_BUILD["layers"], num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=4096, tie_word_embeddings=False,
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    with torch.random.fork_rng():       # building the cache must not change the caller's stream
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config)
+        if warm_start:
+            supervised_warm_start(model, tok, warm_start, warm_steps, seed)
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    (tmp / TINY_MARKER).write_text(json.dumps(TINY_BUILD))
+    try:
+        os.replace(tmp, path)
+    except OSError:                 # another process finished the same build first: use theirs
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(path)
+
+
+def prepare_tiny_model(cfg, suite) -> str:
+    """`--model tiny`: the tiny model for this suite, built once per content in $MPO_CACHE
+    (default ~/.cache/mpo); any other --model (a path) is used as given."""
+    if cfg.model != "tiny":
+        return cfg.model
+    episodes = suite.warm_start() if suite.warm_start else []
+    content = json.dumps([suite.corpus, episodes, cfg.seed, TINY_BUILD])
+    key = hashlib.sha1(content.encode()).hexdigest()[:12]
+    cache = Path(os.environ.get("MPO_CACHE", "~/.cache/mpo")).expanduser()
+    return build_tiny_model(cache / f"tiny-qwen2-{key}", suite.corpus, seed=cfg.seed,
+                            warm_start=episodes,
+                            tokenizer=suite.tokenizer() if suite.tokenizer else None)
+
+
+# ---------------------------------------------------------------------------------------------
+# tiny: the search agent of §10 with a small knowledge base, on CPU
+# ---------------------------------------------------------------------------------------------
+
+TINY = dict(  # a CPU demo of the whole loop, not a result: random weights learn nothing in 4 steps
+    model="tiny", steps=4, n_train=16, n_val=4, questions_per_step=4, n_rollouts=2, min_hops=1,
+    max_hops=1, max_turns=3, max_new_tokens=24, max_total_tokens=768, minibatches=2,
+    micro_batch_size=4, eval_every=2, eval_samples=2, save_every=2, lora_r=4, lora_alpha=8,
+    lr_policy=1e-3, cpu_threads=1, lr_critic=1e-3, gradient_checkpointing=False,
+)
+SMALL_KB = dict(n_people=24, n_organisations=8, n_cities=6, n_regions=3)   # search_env sizes
+
+
+def small_search_suite(cfg):
+    """The search agent of §10 on a small knowledge base (a small tokenizer corpus)."""
+    import train_min
+    return train_min.search_suite(cfg, kb_sizes=SMALL_KB)
+
+
+# ---------------------------------------------------------------------------------------------
+# testbed (testbed_env.py, docs/testbed.md): a random tiny model learns the task from scratch
+# ---------------------------------------------------------------------------------------------
+
+def flag(default, help: str):
+    """A field of a preset's options dataclass: a --flag with its help text."""
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class TestbedOptions:
+    """The testbed's own flags: K turns of L tokens, the first token of each turn the key."""
+    testbed_turns: int = flag(3, "testbed: K, turns per episode (one key each)")
+    testbed_turn_len: int = flag(4, "testbed: L, tokens per turn (1 key + L-1 fillers)")
+    testbed_keys: int = flag(8, "testbed: clue/key pairs of the hidden mapping (chance ~ 1/vocab)")
+    testbed_streaming: bool = flag(False, "testbed: a reply after every token (§11): K*L turns")
+    testbed_feedback: bool = flag(True, "testbed: the reply after a key says ok/no")
+
+
+# temperature: the random base's logits span only about ±1.3 nats (init std 0.02, frozen final norm
+# and lm_head), so at T = 1 no LoRA can make the policy confident; T = 0.25 scales them to ±5
+# (log-probs use the same scaling, so the trained policy is exactly the sampled one). kl_coef:
+# without a KL pull towards the initial policy, some seeds collapse onto a wrong key for a clue and
+# never sample the right one again (measured with 4 keys: seeds 1 and 2 stuck at 0.7 success for
+# 60 updates at kl_coef 0, both at 1.0 with 0.1; docs/testbed.md).
+TESTBED = dict(
+    model="tiny", dataset="testbed", load_in_4bit=False, gradient_checkpointing=False,
+    cpu_threads=1, steps=60, n_train=64, n_val=32, questions_per_step=8, n_rollouts=8,
+    max_total_tokens=1024, minibatches=2, micro_batch_size=64, rollout_batch_size=64,
+    eval_every=5, greedy_eval=True, structure_every=10, save_every=1000, lora_r=8, lora_alpha=16,
+    lr_policy=3e-3, lr_critic=3e-3, lr_value_head=3e-3, temperature=0.25, kl_coef=0.1,
+)
+
+
+def testbed_suite(cfg):
+    """testbed_env.py's tasks; sets the turn budget the task fixes: K turns of L tokens (K*L
+    one-token turns when streaming)."""
+    import testbed_env
+    from train_min import Suite
+    o = TestbedOptions(**cfg.preset_options)
+    cfg.max_turns, cfg.max_new_tokens = testbed_env.turn_budget(
+        o.testbed_turns, o.testbed_turn_len, o.testbed_streaming)
+    cfg.max_total_tokens = max(cfg.max_total_tokens, testbed_env.max_episode_tokens(
+        o.testbed_turns, o.testbed_turn_len, o.testbed_streaming))
+    train, val = testbed_env.make_tasks(cfg.n_train, cfg.n_val, o.testbed_turns, o.testbed_keys,
+                                        seed=cfg.seed)
+
+    def make_env(task):
+        return testbed_env.KeyTurnEnv(task, o.testbed_turn_len, o.testbed_streaming,
+                                      o.testbed_feedback)
+
+    return Suite(train, val, make_env, corpus=[" ".join(testbed_env.words(o.testbed_keys))],
+                 tokenizer=lambda: testbed_env.build_tokenizer(o.testbed_keys))
+
+
+# ---------------------------------------------------------------------------------------------
+# The registry: --preset NAME
+# ---------------------------------------------------------------------------------------------
+
+PRESETS = {
+    "default": Preset(),                # the paper's §10 run on a GPU: Config's own defaults
+    "tiny": Preset(TINY, prepare_tiny_model, small_search_suite),
+    "testbed": Preset(TESTBED, prepare_tiny_model, testbed_suite, TestbedOptions),
+}
