@@ -3,16 +3,20 @@
 An agent acts in whole assistant turns (a search query, a tool call, an answer) while its policy
 writes token by token. MPO assigns credit at both scales:
 
-  1. token TD residuals        delta_{t,i} = r_{t,i} + V_next - V_{t,i}               (§5, step 2)
-  2. turn residual sums        delta^turn_t = sum_i delta_{t,i}                        (§3)
-  3. turn-level GAE            A^turn_t = sum_k lam^k delta^turn_{t+k}                 (§3)
-  4. intra-turn traces         A^intra_{t,i} = sum_{j>=i} lam_intra^(j-i) delta_{t,j}  (§3)
-  5. MAE projection, Eq. (20)  A^MAE_{t,i} = A^turn_t + beta (A^intra_{t,i} - mean_i A^intra_{t,i})
-  6. turn ratio                rho~_{t,i} = rho_{t,i} * sg(prod_{j != i} rho_{t,j})    (§3, §5 step 7)
-  7. clipped surrogate         -min(rho~ A, clip(rho~, 1 - eps, 1 + eps) A), token mean
+  (M1) token TD residuals   delta_{t,i} = r_{t,i} + V_next - V_{t,i}               (§5, step 2)
+  (M2) turn residual sums   delta^turn_t = sum_i delta_{t,i}                        (§3)
+  (M3) turn-level GAE       A^turn_t = sum_k lam^k delta^turn_{t+k}                 (§3)
+  (M4) intra-turn traces    A^intra_{t,i} = sum_{j>=i} lam_intra^(j-i) delta_{t,j}  (§3)
+  Eq. (20) MAE projection   A^MAE_{t,i} = A^turn_t + beta (A^intra_{t,i} - mean_i A^intra_{t,i})
+  (M5) batch whitening      (A - mean) / sqrt(var + 1e-8) over all action tokens    (§5, step 6)
+  (M6) turn ratio           rho~_{t,i} = rho_{t,i} * sg(prod_{j != i} rho_{t,j})    (§3, §5 step 7)
+  (M7) clipped surrogate    -min(rho~ A, clip(rho~, 1 - eps, 1 + eps) A), token mean
+  (M8) critic loss          1/2 (V - R)^2, token mean, R = V_rollout + A^MAE
 
-followed by the baselines the paper compares against (PPO token GAE, GRPO, GSPO) and the critic
-diagnostics of its Appendix C. Section numbers (§) refer to the paper notes of this project.
+followed by the baselines the paper compares against ((B1) PPO token GAE, (B2) GRPO, (B3) GSPO)
+and the critic diagnostics of its Appendix C. Eq. (20) is the paper's number; (M1)-(M8) and
+(B1)-(B3) are this project's labels, listed once in docs/paper.md. Section numbers (§) are those
+of the project's paper notes; docs/paper.md summarises each under the same number.
 
 Symbols: lam = λ (turn GAE), lam_intra = λ_intra (intra-turn trace), beta = β (strength of the
 centred correction), delta = δ (TD residual), rho = ρ (importance ratio), eps = ε (clip range),
@@ -206,12 +210,12 @@ def outcome_rewards(scores: torch.Tensor, turn_ids: torch.Tensor) -> torch.Tenso
 
 
 # ---------------------------------------------------------------------------------------------
-# 1. Token TD residuals and 2. their per-turn sums
+# (M1) Token TD residuals and (M2) their per-turn sums
 # ---------------------------------------------------------------------------------------------
 
 def token_td_residuals(rewards: torch.Tensor, values: torch.Tensor, turn_ids: torch.Tensor,
                        *, validate: bool = True) -> torch.Tensor:
-    """Token TD residuals δ_{t,i} = r_{t,i} + V_next − V_{t,i} (γ = 1).
+    """(M1): token TD residuals δ_{t,i} = r_{t,i} + V_next − V_{t,i} (γ = 1).
 
     V_next is the value at the row's next *action* token: inside a turn V_{t,i+1}; on a turn's
     last token V_{t+1,1}, the value after the environment's observation; after the row's last
@@ -250,7 +254,7 @@ def _validate_rewards_values(rewards, values, turn_ids) -> int:
 
 def turn_residual_sums(delta: torch.Tensor, turn_ids: torch.Tensor, num_turns: int | None = None,
                        *, validate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """Turn residuals δ^turn_t = Σ_i δ_{t,i}, the TD residual of the turn as one macro-action.
+    """(M2): turn residuals δ^turn_t = Σ_i δ_{t,i}, the TD residual of the turn as one macro-action.
 
     With γ = 1 the sum telescopes (§3): δ^turn_t = Σ_i r_{t,i} + V_{t+1,1} − V_{t,1}, so only the
     critic's values at turn starts enter the turn-level credit.
@@ -281,12 +285,12 @@ def turn_residual_sums(delta: torch.Tensor, turn_ids: torch.Tensor, num_turns: i
 
 
 # ---------------------------------------------------------------------------------------------
-# 3. Turn-level GAE and 4. intra-turn traces
+# (M3) Turn-level GAE and (M4) intra-turn traces
 # ---------------------------------------------------------------------------------------------
 
 def turn_gae(delta_turn: torch.Tensor, turn_mask: torch.Tensor, lam: float,
              *, validate: bool = True) -> torch.Tensor:
-    """Turn-level GAE (§3): A^turn_t = Σ_{k>=0} λ^k δ^turn_{t+k}, i.e. A^turn_t = δ^turn_t + λ A^turn_{t+1}.
+    """(M3): turn-level GAE (§3), A^turn_t = Σ_{k>=0} λ^k δ^turn_{t+k} = δ^turn_t + λ A^turn_{t+1}.
 
     λ discounts once per *turn*, not once per token: credit crosses a 40-token turn at the cost
     of one λ, where token-level GAE pays λ^40 (§2).
@@ -316,7 +320,7 @@ def turn_gae(delta_turn: torch.Tensor, turn_mask: torch.Tensor, lam: float,
 
 def intra_turn_traces(delta: torch.Tensor, turn_ids: torch.Tensor, lam_intra: float,
                       *, validate: bool = True) -> torch.Tensor:
-    """Intra-turn traces (§3): A^intra_{t,i} = Σ_{j=i}^{L_t} λ_intra^{j−i} δ_{t,j}, restarting every turn.
+    """(M4): intra-turn traces (§3), A^intra_{t,i} = Σ_{j=i}^{L_t} λ_intra^{j−i} δ_{t,j}, per turn.
 
     The local, token-level signal inside turn t; it never crosses a turn boundary (the turn
     GAE carries credit between turns).
@@ -342,7 +346,7 @@ def intra_turn_traces(delta: torch.Tensor, turn_ids: torch.Tensor, lam_intra: fl
 
 
 # ---------------------------------------------------------------------------------------------
-# 5. Eq. (20): the MAE projection
+# Eq. (20): the MAE projection
 # ---------------------------------------------------------------------------------------------
 
 def mae_projection(adv_turn: torch.Tensor, adv_intra: torch.Tensor, turn_ids: torch.Tensor,
@@ -380,11 +384,11 @@ def mae_projection(adv_turn: torch.Tensor, adv_intra: torch.Tensor, turn_ids: to
 
 
 # ---------------------------------------------------------------------------------------------
-# The composition: MPO advantages (Algorithm 1) and batch whitening (§5, step 6)
+# (M5) Batch whitening (§5, step 6), and the composition: MPO advantages (Algorithm 1)
 # ---------------------------------------------------------------------------------------------
 
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """Standardise x over the positions of mask: (x − mean) / sqrt(var + eps), 0 off mask.
+    """(M5): standardise x over the positions of mask, (x − mean) / sqrt(var + eps), 0 off mask.
 
     var is the unbiased (n − 1) variance over all masked positions of the batch, as verl's
     masked_whiten computes it (0 when there is a single position).
@@ -400,7 +404,7 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> tor
 def mpo_advantages(rewards: torch.Tensor, values: torch.Tensor, turn_ids: torch.Tensor,
                    lam: float = 0.8, lam_intra: float = 0.95, beta: float = 1.0, whiten: bool = True,
                    *, num_turns: int | None = None, validate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """MPO advantages: stages 1–5 composed, then optional whitening over the batch (§5).
+    """Algorithm 1: MPO advantages, (M1)–(M4) and Eq. (20) composed, then (M5) whitening (§5).
 
     Defaults are the paper's reference setting (λ, λ_intra, β) = (0.80, 0.95, 1.00) (§7).
     β = 0 is the "turn GAE only" ablation (every token of a turn gets A^turn_t).
@@ -442,12 +446,12 @@ def mpo_advantages(rewards: torch.Tensor, values: torch.Tensor, turn_ids: torch.
 
 
 # ---------------------------------------------------------------------------------------------
-# 6. The turn-level importance ratio with a stop-gradient, and 7. the clipped surrogate
+# (M6) The turn-level importance ratio with a stop-gradient, and (M7) the clipped surrogate
 # ---------------------------------------------------------------------------------------------
 
 def turn_ratio(logp: torch.Tensor, old_logp: torch.Tensor, turn_ids: torch.Tensor,
                *, max_log_ratio: float = 20.0, validate: bool = True) -> torch.Tensor:
-    """Turn ratio with a stop-gradient (§3): ρ̃_{t,i} = ρ_{t,i} · sg(Π_{j≠i} ρ_{t,j}).
+    """(M6): turn ratio with a stop-gradient (§3), ρ̃_{t,i} = ρ_{t,i} · sg(Π_{j≠i} ρ_{t,j}).
 
     Forward: every token of turn t carries the whole turn's ratio ρ_t = exp Σ_j (logp − old_logp),
     the probability ratio of the turn the environment actually received. Backward: ∂ρ̃_{t,i}/∂logp_{t,i}
@@ -484,7 +488,7 @@ def _validate_logps(logp, old_logp, turn_ids) -> None:
 
 
 def _sequence_ratio(lr: torch.Tensor, act: torch.Tensor, max_log_ratio: float) -> torch.Tensor:
-    """GSPO-token ratio: s_{b,p} = sg[s_b] · π_p / sg[π_p], s_b = exp(mean of the row's log-ratios)."""
+    """(B3): GSPO-token ratio s_{b,p} = sg[s_b] · π_p / sg[π_p], s_b = exp(mean row log-ratio)."""
     n = act.sum(dim=1, keepdim=True).clamp(min=1)
     mean_lr = (lr.detach().sum(dim=1, keepdim=True) / n).clamp(-max_log_ratio, max_log_ratio)   # (B, 1)
     return torch.exp(lr + (mean_lr - lr).detach())                            # (B, T)
@@ -495,12 +499,12 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
                 clip_eps_high: float | None = None, dual_clip: float | None = None,
                 num_tokens: int | torch.Tensor | None = None, max_log_ratio: float = 20.0,
                 validate: bool = True) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clipped surrogate loss, token mean: L = (1/N) Σ_action max(−ρA, −clip(ρ, 1−ε, 1+ε_high) A).
+    """(M7): clipped surrogate, token mean, L = (1/N) Σ_action max(−ρA, −clip(ρ, 1−ε, 1+ε_high) A).
 
     ratio_level chooses ρ:
       "turn"     ρ̃_{t,i} of `turn_ratio` (MPO);
       "token"    ρ_{t,i} = exp(logp − old_logp) (PPO, and the "MPO w/ token IS" ablation);
-      "sequence" GSPO-token: s_b = exp(mean of the row's log-ratios) forward, own-token gradient.
+      "sequence" (B3) GSPO-token: s_b = exp(mean of the row's log-ratios) forward, own-token gradient.
     The loss is a token mean over action tokens, N = their count in this batch, or `num_tokens`
     (pass the count of the whole batch to every micro-batch so accumulated gradients equal the
     full-batch gradient). `clip_eps_high` (DAPO's clip-higher) widens the upper bound; `dual_clip`
@@ -566,7 +570,7 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
                turn_ids: torch.Tensor, clip: float | None = None, *,
                num_tokens: int | torch.Tensor | None = None, validate: bool = True) -> torch.Tensor:
-    """Critic loss: ½ (1/N) Σ_action (V − R)², optionally value-clipped as in PPO.
+    """(M8): critic loss, ½ (1/N) Σ_action (V − R)², optionally value-clipped as in PPO.
 
     With `clip` = c: per token max((V − R)², (V_clip − R)²), V_clip = V_old + clamp(V − V_old, −c, c).
     N as in `policy_loss` (`num_tokens` for gradient accumulation). The targets R are the
@@ -595,14 +599,14 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
 
 
 # ---------------------------------------------------------------------------------------------
-# Baselines: PPO token-level GAE, GRPO group advantages (GSPO = GRPO advantages with
-# policy_loss(ratio_level="sequence"))
+# Baselines: (B1) PPO token-level GAE, (B2) GRPO group advantages ((B3) GSPO = GRPO advantages
+# with policy_loss(ratio_level="sequence"))
 # ---------------------------------------------------------------------------------------------
 
 def token_gae(rewards: torch.Tensor, values: torch.Tensor, action_mask: torch.Tensor,
               lam: float = 0.95, gamma: float = 1.0, whiten: bool = True,
               *, validate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """PPO baseline: token-level GAE over action tokens, A_i = δ_i + γλ A_next, δ_i = r_i + γ V_next − V_i.
+    """(B1): PPO token-level GAE over action tokens, A_i = δ_i + γλ A_next, δ_i = r_i + γ V_next − V_i.
 
     Observation tokens are skipped, as verl's multi-turn GAE does: "next" is the next action
     token, so the environment's reply costs no discount, but every generated token costs one
@@ -640,7 +644,7 @@ def token_gae(rewards: torch.Tensor, values: torch.Tensor, action_mask: torch.Te
 
 def grpo_advantages(scores: torch.Tensor, group_ids: torch.Tensor, turn_ids: torch.Tensor,
                     eps: float = 1e-6, scale: bool = True, *, validate: bool = True) -> torch.Tensor:
-    """GRPO baseline: A_b = (R_b − mean_g R) / (std_g R + eps), broadcast to row b's action tokens.
+    """(B2): GRPO, A_b = (R_b − mean_g R) / (std_g R + eps), broadcast to row b's action tokens.
 
     g is the group of rollouts sharing group_ids[b] (the same prompt). std is the unbiased
     standard deviation, as torch.std; a group of one gets A = 0 (no baseline to compare with).

@@ -15,8 +15,9 @@
 # built on `mpo.py`, the project's one-file implementation. Every function that computes part of
 # the method is imported from `mpo.py`; this file only builds inputs, prints, plots and checks.
 # Every number the text states is printed and asserted, so if `mpo.py` drifts, this script fails.
-# Section numbers (§) refer to the paper notes of this project (`paper/000_eb1c485a26d66088.txt`
-# in the shared folder); equation numbers to the paper.
+# Section numbers (§) are sections of the project's paper notes, summarised under the same numbers
+# in `docs/paper.md`; equation labels follow its numbering table: Eq. (20) is the paper's number,
+# (M1)–(M8) and (B1)–(B3) are this project's labels.
 #
 # Run it top to bottom on a CPU (10–25 s, a third of it importing torch and matplotlib):
 #
@@ -122,7 +123,7 @@ assert L == [8, 10, 22] and T == 56
 assert rewards.sum() == 1.0 and rewards[0, 53] == 1.0          # the last token of turn 2
 
 # %% [markdown]
-# ### Step 2 (§5): token TD residuals
+# ### Step 2 (§5): token TD residuals, (M1)
 # `δ_{t,i} = r_{t,i} + V_next − V_{t,i}` with γ = 1. Inside a turn `V_next = V_{t,i+1}`; on a
 # turn's last token it is `V_{t+1,1}`, the value *after* the environment's observation (the
 # observation positions themselves are skipped); after the last action token it is 0. With a
@@ -138,7 +139,7 @@ assert close(delta[0, nz], [0.5 - 0.3, 0.7 - 0.5, 1.0 + 0.0 - 0.7], 1e-12)
 assert close(delta[0][torch.isin(torch.arange(T), nz, invert=True)], 0.0, 0.0)
 
 # %% [markdown]
-# ### Step 3: turn residuals and turn-level GAE
+# ### Step 3: turn residuals (M2) and turn-level GAE (M3)
 # Summing a turn's residuals telescopes (§3): `δ^turn_t = Σ_i r_{t,i} + V_{t+1,1} − V_{t,1}`, so
 # only the critic's values at turn starts enter the turn-level credit. GAE then runs along the
 # *turn* axis with λ = 0.8: `A^turn_t = δ^turn_t + λ A^turn_{t+1}`.
@@ -155,7 +156,7 @@ starts = [V_TURN[0], V_TURN[1], V_TURN[2], 0.0]
 assert close(delta_turn[0], [0 + starts[1] - starts[0], 0 + starts[2] - starts[1], 1 + starts[3] - starts[2]], 1e-12)
 
 # %% [markdown]
-# ### Step 4: intra-turn traces
+# ### Step 4: intra-turn traces (M4)
 # Inside each turn, a λ_intra-discounted trace of the token residuals that restarts at every turn
 # boundary: `A^intra_{t,i} = Σ_{j=i}^{L_t} λ_intra^{j−i} δ_{t,j}`. Here only the last token of each
 # turn has a residual, so the trace is `δ_{t,L_t} · 0.95^{L_t − i}`, a geometric ramp.
@@ -192,10 +193,10 @@ assert close(adv_mae[turn_ids == 0][-1], 0.552 + 0.2 - mean_intra[0], 1e-12)
 assert close(adv_mae[~act], 0.0, 0.0)                                         # nothing off turns
 
 # %% [markdown]
-# ### Step 6: whitening, and the whole composition in one call
-# `mpo.mpo_advantages` chains steps 2–5 and then standardises over *all action tokens of the
-# batch*: `(A − mean) / sqrt(var + 1e-8)`, with the unbiased variance, as verl does. It also returns
-# the critic's regression target `returns = V + A^MAE`, taken *before* whitening.
+# ### Step 6: whitening (M5), and the whole composition in one call
+# `mpo.mpo_advantages` (Algorithm 1) chains steps 2–5 and then standardises over *all action
+# tokens of the batch*: `(A − mean) / sqrt(var + 1e-8)`, with the unbiased variance, as verl does.
+# It also returns the critic's regression target `returns = V + A^MAE`, taken *before* whitening.
 
 # %%
 adv, returns = mpo.mpo_advantages(rewards, values, turn_ids, lam=LAM, lam_intra=LAM_INTRA, beta=BETA)
@@ -241,11 +242,11 @@ save(fig, "fig1_worked_example.png")
 # %% [markdown]
 # ## 2. GRPO, PPO token GAE and MPO on the same trajectory
 #
-# * **GRPO** (critic-free) compares the trajectory's score with the other rollouts of the same
+# * **GRPO** (B2), critic-free, compares the trajectory's score with the other rollouts of the same
 #   prompt: `(R − mean_g R) / (std_g R + 1e-6)`, one number broadcast to every action token. With a
 #   group of 4 scored [1, 0, 0, 0] (unbiased std 0.5), our trajectory (the first) gets
 #   (1 − 0.25) / 0.5 ≈ 1.5 on all 40 tokens.
-# * **PPO** runs GAE token by token with λ = 0.95 (observations skipped, as verl does).
+# * **PPO** (B1) runs GAE token by token with λ = 0.95 (observations skipped, as verl does).
 # * **MPO** runs GAE turn by turn with λ = 0.8, plus the centred intra-turn correction.
 #
 # The right panel isolates how far the final reward travels. Put the reward 1 on the last token
@@ -365,7 +366,7 @@ print(f"max |μ/L − (A_turn − β mean a)|          = {max_mu_err:.1e}")
 assert max_err < 1e-12 and max_mu_err < 1e-12
 
 # %% [markdown]
-# ## 4. The stop-gradient turn ratio, with autograd
+# ## 4. The stop-gradient turn ratio (M6), with autograd
 #
 # The environment received whole turns, so MPO weights each token by the whole turn's ratio
 # `ρ_t = Π_i π_θ(y_{t,i}|…)/π_old(y_{t,i}|…)`. The trap (§3): if every token of the turn is
@@ -410,8 +411,8 @@ for k in range(3):
 assert close(g_mpo[~act], 0.0, 0.0) and close(rho_tilde[~act], 1.0, 0.0)
 
 # %% [markdown]
-# `mpo.policy_loss(ratio_level="turn")` is this ratio inside the clipped PPO surrogate, averaged
-# over action tokens. Where nothing is clipped its gradient is `−ρ_t A_{t,i} / N`, N the number of
+# `mpo.policy_loss(ratio_level="turn")` is this ratio inside the clipped PPO surrogate (M7),
+# averaged over action tokens. Where nothing is clipped its gradient is `−ρ_t A_{t,i} / N`, N the number of
 # action tokens:
 
 # %%

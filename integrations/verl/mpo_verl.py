@@ -88,7 +88,7 @@ def rewards_on_action_tokens(token_level_rewards: torch.Tensor, action_mask: tor
 
 
 # ---------------------------------------------------------------------------------------------
-# 2. The "mpo" advantage estimator: stages 1-5 of mpo.py on verl's batch
+# 2. The "mpo" advantage estimator: mpo.py's (M1)-(M5) and Eq. (20) on verl's batch
 # ---------------------------------------------------------------------------------------------
 
 @register_adv_est(MPO)
