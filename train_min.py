@@ -211,6 +211,15 @@ class ValueHead(nn.Module):
         return self.linear(h.float()).squeeze(-1)                              # (B, T)
 
 
+def _cpu_4bit_workaround(model) -> None:
+    """bitsandbytes on CPU repacks 4-bit weights after an eval-mode forward, which then breaks
+    backward (Qwen2) or silently corrupts LoRA gradients (Qwen3); see stack notes. GPUs: no-op."""
+    import bitsandbytes as bnb
+    for m in model.modules():
+        if isinstance(m, bnb.nn.Linear4bit):
+            m.support_avx512bf16_for_cpu = False
+
+
 def load_model(cfg: Config, device: torch.device):
     """Tokenizer, the PEFT model (frozen base + "policy" and "critic" adapters), the value head."""
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
@@ -243,23 +252,13 @@ def load_model(cfg: Config, device: torch.device):
     elif cfg.gradient_checkpointing:
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     # LoRA dropout 0: the first minibatch's ratio must be exactly 1 (old_logp = logp).
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=0.0,
-                      task_type="CAUSAL_LM", target_modules=["q_proj", "k_proj", "v_proj",
-                                                             "o_proj", "gate_proj", "up_proj",
-                                                             "down_proj"])
+                      task_type="CAUSAL_LM", target_modules=targets)
     model = get_peft_model(base, lora, adapter_name="policy")
     model.add_adapter("critic", lora)
     value_head = ValueHead(base.config.hidden_size).to(device)
     return tok, model, value_head
-
-
-def _cpu_4bit_workaround(model) -> None:
-    """bitsandbytes on CPU repacks 4-bit weights after an eval-mode forward, which then breaks
-    backward (Qwen2) or silently corrupts LoRA gradients (Qwen3); see stack notes. GPUs: no-op."""
-    import bitsandbytes as bnb
-    for m in model.modules():
-        if isinstance(m, bnb.nn.Linear4bit):
-            m.support_avx512bf16_for_cpu = False
 
 
 def use_adapter(model, name: str) -> None:
@@ -726,8 +725,7 @@ class StopFlag:
 def eval_only(cfg: Config, model, value_head, tok, suite: Suite, out: Path) -> dict:
     """Validate a checkpoint (or the untouched base model) and write out_dir/eval_<name>.json."""
     if not cfg.checkpoint:
-        raise ValueError("--eval_only needs --checkpoint (a checkpoint folder, a run folder, "
-                         "or 'base')")
+        raise ValueError("--eval_only needs --checkpoint (a checkpoint, a run folder or 'base')")
     if cfg.checkpoint == "base":
         with model.disable_adapter():
             row = evaluate(model, tok, suite, cfg)
@@ -762,7 +760,10 @@ def log_line(row: dict, stats: dict) -> str:
 # ---------------------------------------------------------------------------------------------
 
 def main(argv=None) -> dict:
-    cfg = parse_config(argv)
+    try:
+        cfg = parse_config(argv)
+    except ValueError as e:             # a bad flag: one line naming it, no traceback
+        raise SystemExit(f"train_min.py: {e}") from None
     if cfg.preset == "default" and not torch.cuda.is_available() and cfg.device != "cpu":
         print("No CUDA GPU found: the default run needs one (24 GB). On this machine run "
               "`python train_min.py --preset tiny` for the CPU demo of the whole loop.",

@@ -658,6 +658,8 @@ def test_unknown_variant_is_a_value_error_naming_the_flag():
         train_min.parse_config(["--preset", "huge"])
     with pytest.raises(ValueError, match="--testbed_turns needs --preset testbed"):
         train_min.parse_config(["--preset", "tiny", "--testbed_turns", "2"])
+    with pytest.raises(SystemExit, match="^train_min.py: --variant must be one of"):
+        run_main(["--variant", "nope"])          # the command line: that one line, no traceback
 
 
 def test_hotpotqa_suite_from_one_local_file_has_disjoint_train_and_validation_questions():
