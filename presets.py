@@ -208,7 +208,7 @@ TESTBED = dict(
 def testbed_suite(cfg):
     """testbed_env.py's tasks; sets the turn budget the task fixes: K turns of L tokens (K*L
     one-token turns when streaming)."""
-    import testbed_env
+    from experiments import testbed_env
     from train_min import Suite
     o = TestbedOptions(**cfg.preset_options)
     cfg.max_turns, cfg.max_new_tokens = testbed_env.turn_budget(

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import presets
-import sweep
 import train_min
+from experiments import sweep
 from helpers import run_main
 
 

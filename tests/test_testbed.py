@@ -18,8 +18,8 @@ import torch
 
 import mpo
 import presets
-import study
-import testbed_env as te
+from experiments import study
+from experiments import testbed_env as te
 import train_min
 from helpers import run_main
 

@@ -56,7 +56,7 @@ def sweep(grid: str, seeds: list[int], root: Path, extra: list[str]) -> list[Pat
             if (out / "DONE").exists():
                 print(f"[sweep] {out} finished already, skipping")
                 continue
-            args = [sys.executable, str(Path(__file__).with_name("train_min.py")), "--out_dir", str(out),
+            args = [sys.executable, str(Path(__file__).resolve().parents[1] / "train_min.py"), "--out_dir", str(out),
                     "--seed", str(seed), *[f"--{k}={v}" for k, v in point.items()], *extra]
             if (out / "checkpoints" / "latest").exists():
                 args.append("--resume")

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Peak GPU memory and seconds per step of train_min.py's default settings, capped at 24 GB.
-# Run on a CUDA machine with hub access (or models in the HF cache):  bash benchmarks/gpu_budget.sh
+# Run on a CUDA machine with hub access (or models in the HF cache):  bash experiments/benchmarks/gpu_budget.sh
 # Each run: 3 steps of the default configuration (16 questions x 4 rollouts, micro-batch 4),
 # no validation; the per-step line prints s/step and peak memory; metrics.jsonl keeps them.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 for model in Qwen/Qwen2.5-1.5B-Instruct Qwen/Qwen3-4B; do
   for variant in mpo mpo_token_is mpo_beta0; do
     out=runs/gpu-budget/$(basename "$model")-$variant

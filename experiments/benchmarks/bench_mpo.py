@@ -1,7 +1,7 @@
 """Benchmark mpo.py against the way most trainers write GAE, on the same batches, in one run.
 
-    python benchmarks/bench_mpo.py            # B=64,T=4096 and B=256,T=8192 on CPU (and CUDA if present)
-    python benchmarks/bench_mpo.py --quick    # small shapes, a few seconds
+    python experiments/benchmarks/bench_mpo.py            # B=64,T=4096 and B=256,T=8192 on CPU (and CUDA if present)
+    python experiments/benchmarks/bench_mpo.py --quick    # small shapes, a few seconds
 
 Prints median wall times and the ratios the project targets:
   * mpo_advantages vs a per-token reverse-loop GAE (verl-style, observation tokens skipped):
@@ -18,7 +18,7 @@ import time
 
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # run from anywhere
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # run from anywhere
 import mpo  # noqa: E402
 
 

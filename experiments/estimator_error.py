@@ -1,8 +1,8 @@
 """Monte Carlo check of the notes' Appendix A.7 claim (§3): "at a matched budget, the estimation
 error of token-level GAE exceeds that of turn-level GAE by a factor of at least √L".
 
-    python benchmarks/estimator_error.py            # table + runs/estimator_error/ratio.png (~5 s)
-    python benchmarks/estimator_error.py --quick    # fewer trajectories, for CI
+    python experiments/estimator_error.py            # table + runs/estimator_error/ratio.png (~5 s)
+    python experiments/estimator_error.py --quick    # fewer trajectories, for CI
 
 The notes state the claim in one sentence and do not give the appendix's noise model, so this
 script states two, computes every advantage with mpo.py, and reports the ratio under each.

@@ -40,9 +40,9 @@ from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
 from pathlib import Path
 
-import sweep  # the same mean ± std formatting as the sweep tables (same folder)
-
-ROOT = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))          # python experiments/study.py from anywhere
+from experiments import sweep  # noqa: E402  (the same mean ± std formatting as the sweep tables)
 VARIANTS = ("mpo", "mpo_token_is", "mpo_beta0", "ppo", "grpo")
 STREAM_VARIANTS = ("mpo", "ppo", "grpo")
 LABELS = {"mpo": "MPO", "mpo_token_is": "MPO w/ token IS", "mpo_beta0": "MPO β=0", "ppo": "PPO", "grpo": "GRPO"}
