@@ -388,14 +388,20 @@ Guild.</information>
 Brannock Teloria.</information>
 <answer>Brannock Teloria</answer>"""
 
+# For small models (the smol preset): no worked example, ~36 tokens instead of ~200. A 135M model
+# does not follow either zero-shot; its warm start teaches the protocol (presets.py).
+SHORT_SYSTEM_PROMPT = ("Answer the question by searching. Write <search>name</search> to look up "
+                       "a name; results come back in <information>. Then write "
+                       "<answer>name</answer>.")
+
 
 def user_message(question: Question) -> str:
     """The first user turn."""
     return f"Question: {question.question}"
 
 
-def initial_messages(question: Question) -> list[Message]:
-    return [{"role": "system", "content": SYSTEM_PROMPT},
+def initial_messages(question: Question, system_prompt: str = SYSTEM_PROMPT) -> list[Message]:
+    return [{"role": "system", "content": system_prompt},
             {"role": "user", "content": user_message(question)}]
 
 
@@ -486,10 +492,12 @@ class SearchEnv:
     (``info["truncated"]``). Terminal ``info`` always holds em, f1, malformed, truncated, turns.
     """
 
-    def __init__(self, search: BM25Search, question: Question | None = None, max_turns: int = 5):
+    def __init__(self, search: BM25Search, question: Question | None = None, max_turns: int = 5,
+                 system_prompt: str = SYSTEM_PROMPT):
         if max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
         self.search, self.question, self.max_turns = search, question, max_turns
+        self.system_prompt = system_prompt
         self.turns, self.done = 0, True
 
     def reset(self, task: Question | None = None) -> list[Message]:
@@ -498,7 +506,7 @@ class SearchEnv:
         if self.question is None:
             raise ValueError("SearchEnv.reset needs a question")
         self.turns, self.done = 0, False
-        return initial_messages(self.question)
+        return initial_messages(self.question, self.system_prompt)
 
     def step(self, assistant_text: str) -> StepResult:
         if self.done:

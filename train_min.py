@@ -34,6 +34,7 @@ import shutil
 import signal
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Callable
@@ -75,6 +76,7 @@ class Config:
     lora_alpha: int = arg(32, "LoRA scale numerator (scale = alpha / r)")
     gradient_checkpointing: bool = arg(True, "recompute activations in backward to fit 24 GB")
     enable_thinking: bool = arg(False, "Qwen3 chat template: allow <think> blocks")
+    lora_layers: int = arg(0, "adapt only the top N decoder layers (0: all); see frozen_states")
     # --- data / environment ---
     dataset: str = arg("synthetic", "synthetic (a fictional KB) | hotpotqa | testbed (its preset)")
     hotpotqa_path: str = arg("", "local HotpotQA JSON (else the hub via `datasets`)")
@@ -115,6 +117,7 @@ class Config:
     temperature: float = arg(1.0, "sampling temperature; log-probs use the same scaling")
     # --- evaluation / logging / checkpoint ---
     eval_every: int = arg(10, "validate every N steps (and at the end)")
+    eval_first: bool = arg(False, "also validate before the first update (logged as step 0)")
     eval_samples: int = arg(4, "samples per validation question (pass@k for k <= this)")
     greedy_eval: bool = arg(False, "validate with greedy decoding (one sample: pass@1 only)")
     eval_only: bool = arg(False, "evaluate --checkpoint on the validation set and exit")
@@ -220,6 +223,9 @@ def _cpu_4bit_workaround(model) -> None:
             m.support_avx512bf16_for_cpu = False
 
 
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
 def load_model(cfg: Config, device: torch.device):
     """Tokenizer, the PEFT model (frozen base + "policy" and "critic" adapters), the value head."""
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
@@ -252,9 +258,13 @@ def load_model(cfg: Config, device: torch.device):
     elif cfg.gradient_checkpointing:
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     # LoRA dropout 0: the first minibatch's ratio must be exactly 1 (old_logp = logp).
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    n_layers = base.config.num_hidden_layers
+    if not 0 <= cfg.lora_layers <= n_layers:
+        raise ValueError(f"--lora_layers must be in 0..{n_layers} for {cfg.model}, "
+                         f"got {cfg.lora_layers}")
+    top = list(range(n_layers - cfg.lora_layers, n_layers)) if cfg.lora_layers else None
     lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=0.0,
-                      task_type="CAUSAL_LM", target_modules=targets)
+                      task_type="CAUSAL_LM", target_modules=LORA_TARGETS, layers_to_transform=top)
     model = get_peft_model(base, lora, adapter_name="policy")
     model.add_adapter("critic", lora)
     value_head = ValueHead(base.config.hidden_size).to(device)
@@ -267,19 +277,55 @@ def use_adapter(model, name: str) -> None:
     model.set_adapter(name)
 
 
-def hidden_states(model, ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-    """Last hidden state of the active adapter's model (no vocabulary projection): (B, T, H)."""
+def first_adapted_layer(model) -> int:
+    """Index of the lowest decoder layer carrying LoRA (0 unless --lora_layers is set)."""
+    return min(model.peft_config["policy"].layers_to_transform or [0])
+
+
+@contextmanager
+def decoder_layers(model, lo: int, hi: int):
+    """Run only decoder layers lo..hi-1 (the final norm only when hi is the top): the decoder's
+    own forward, with its masks and rotary positions, over a slice of its layer list."""
     decoder = model.get_base_model().get_decoder()
-    return decoder(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state
+    layers, norm = decoder.layers, decoder.norm
+    decoder.layers = nn.ModuleList(list(layers)[lo:hi])
+    if hi < len(layers):
+        decoder.norm = nn.Identity()
+    try:
+        yield decoder
+    finally:
+        decoder.layers, decoder.norm = layers, norm
 
 
-def token_logprobs(model, ids, attn, act, temperature: float = 1.0):
+@torch.no_grad()
+def frozen_states(model, ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor | None:
+    """With --lora_layers N, the output of the frozen layers below the adapted top N: the same
+    for the policy, the critic and every epoch of a batch, so it is computed once per batch
+    (on a CPU, most of a step's compute). None when every layer is adapted."""
+    split = first_adapted_layer(model)
+    if split == 0:
+        return None
+    with decoder_layers(model, 0, split) as lower:
+        return lower(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state
+
+
+def hidden_states(model, ids, attn, frozen=None) -> torch.Tensor:
+    """Last hidden state of the active adapter's model (no vocabulary projection): (B, T, H);
+    from `frozen` (frozen_states) through the adapted layers only, when given."""
+    decoder = model.get_base_model().get_decoder()
+    if frozen is None:
+        return decoder(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state
+    with decoder_layers(model, first_adapted_layer(model), len(decoder.layers)) as top:
+        return top(inputs_embeds=frozen, attention_mask=attn, use_cache=False).last_hidden_state
+
+
+def token_logprobs(model, ids, attn, act, temperature: float = 1.0, frozen=None):
     """log π(token p | prefix) at action positions (0 elsewhere) and the mean entropy there.
 
     Logits at position p − 1 predict token p, so an action token's log-prob comes from the
     previous position; the vocabulary projection runs only at those positions (memory).
     """
-    h = hidden_states(model, ids, attn)                                        # (B, T, H)
+    h = hidden_states(model, ids, attn, frozen)                                # (B, T, H)
     sel = act[:, 1:]                                                           # (B, T-1)
     lm_head = model.get_base_model().get_output_embeddings()
     logits = lm_head(h[:, :-1][sel]).float() / temperature                     # (N, V)
@@ -293,9 +339,9 @@ def token_logprobs(model, ids, attn, act, temperature: float = 1.0):
     return out, entropy                                                        # (B, T), ()
 
 
-def token_values(model, value_head, ids, attn):
+def token_values(model, value_head, ids, attn, frozen=None):
     """V_{t,i}: the critic's value of the prefix *before* token p, read at position p − 1."""
-    v = value_head(hidden_states(model, ids, attn))                            # (B, T)
+    v = value_head(hidden_states(model, ids, attn, frozen))                    # (B, T)
     return F.pad(v[:, :-1], (1, 0))                                            # (B, T)
 
 
@@ -319,9 +365,10 @@ class Suite:
     tokenizer: Callable | None = None    # () -> a built model's tokenizer (default: BPE on corpus)
 
 
-def search_suite(cfg: Config, kb_sizes: dict | None = None) -> Suite:
+def search_suite(cfg: Config, kb_sizes: dict | None = None,
+                 system_prompt: str = search_env.SYSTEM_PROMPT) -> Suite:
     """The search agent of §10: synthetic multi-hop questions (knowledge base sizes `kb_sizes`,
-    default search_env's) or HotpotQA."""
+    default search_env's) or HotpotQA, under `system_prompt`."""
     if cfg.dataset == "hotpotqa" and cfg.hotpotqa_path:   # one local file: n_train, then n_val
         train = search_env.load_hotpotqa("train", n=cfg.n_train, path=cfg.hotpotqa_path)
         val = search_env.load_hotpotqa("validation", n=cfg.n_val, path=cfg.hotpotqa_path,
@@ -339,15 +386,17 @@ def search_suite(cfg: Config, kb_sizes: dict | None = None) -> Suite:
     by_question = {id(q): index[split.name] for split in (train, val) for q in split.questions}
 
     def make_env(q):
-        return search_env.SearchEnv(by_question[id(q)], q, max_turns=cfg.max_turns)
+        return search_env.SearchEnv(by_question[id(q)], q, cfg.max_turns, system_prompt)
 
     def warm_start():                    # scripted episodes on the *training* knowledge base only
         qs = search_env.make_questions(train.kb, 100, cfg.min_hops, cfg.max_hops, seed=cfg.seed,
                                        corpus_id=train.name)
-        return [search_env.run_episode(search_env.SearchEnv(index[train.name], q, cfg.max_turns),
-                                       search_env.reading_oracle(q)).messages for q in qs]
+        envs = [search_env.SearchEnv(index[train.name], q, cfg.max_turns, system_prompt)
+                for q in qs]
+        return [search_env.run_episode(env, search_env.reading_oracle(q)).messages
+                for env, q in zip(envs, qs)]
 
-    corpus = (train.docs + val.docs + [search_env.SYSTEM_PROMPT]
+    corpus = (train.docs + val.docs + [system_prompt]
               + [q.question for q in train.questions + val.questions])
     return Suite(train.questions, val.questions, make_env, ("</search>", "</answer>"), corpus,
                  warm_start if train.kb is not None else None)
@@ -499,18 +548,21 @@ def score_batch(model, value_head, batch, cfg: Config) -> None:
     """Behaviour log-probs, critic values and (with a KL penalty) the base model's log-probs."""
     model.eval()
     act = batch["turn_ids"] >= 0
-    old_logp, values, ref_logp = [], [], []
+    old_logp, values, ref_logp, frozen = [], [], [], []
     for s in range(0, act.shape[0], cfg.micro_batch_size):
         sl = slice(s, s + cfg.micro_batch_size)
         ids, attn = batch["ids"][sl], batch["attn"][sl]
+        h = frozen_states(model, ids, attn)           # None unless --lora_layers
+        frozen.append(h)
         use_adapter(model, "policy")
-        old_logp.append(token_logprobs(model, ids, attn, act[sl], cfg.temperature)[0])
+        old_logp.append(token_logprobs(model, ids, attn, act[sl], cfg.temperature, h)[0])
         if cfg.uses_critic:
             use_adapter(model, "critic")
-            values.append(token_values(model, value_head, ids, attn))
+            values.append(token_values(model, value_head, ids, attn, h))
         if cfg.kl_coef > 0:
             with model.disable_adapter():
-                ref_logp.append(token_logprobs(model, ids, attn, act[sl], cfg.temperature)[0])
+                ref_logp.append(token_logprobs(model, ids, attn, act[sl], cfg.temperature, h)[0])
+    batch["frozen"] = torch.cat(frozen) if frozen[0] is not None else None   # (B, T, H)
     batch["old_logp"] = torch.cat(old_logp)
     batch["values"] = torch.cat(values) if values else torch.zeros_like(batch["old_logp"])
     if ref_logp:
@@ -573,8 +625,9 @@ def update(model, value_head, opt, batch, cfg: Config) -> dict[str, float]:
             for micro in mb.split(cfg.micro_batch_size):
                 ids, attn = batch["ids"][micro], batch["attn"][micro]
                 tid = batch["turn_ids"][micro]
+                h = batch["frozen"][micro] if batch["frozen"] is not None else None
                 use_adapter(model, "policy")
-                logp, entropy = token_logprobs(model, ids, attn, tid >= 0, cfg.temperature)
+                logp, entropy = token_logprobs(model, ids, attn, tid >= 0, cfg.temperature, h)
                 loss_pi, stats = mpo.policy_loss(                                # MPO: turn ratio
                     logp, batch["old_logp"][micro], batch["advantages"][micro], tid,
                     clip_eps=eps, ratio_level=ratio_level(cfg), clip_eps_high=eps_high,
@@ -589,7 +642,7 @@ def update(model, value_head, opt, batch, cfg: Config) -> dict[str, float]:
                 stats.update(policy_loss=loss_pi.detach(), entropy=entropy)
                 if cfg.uses_critic:
                     use_adapter(model, "critic")
-                    v = token_values(model, value_head, ids, attn)
+                    v = token_values(model, value_head, ids, attn, h)
                     loss_v = mpo.value_loss(v, batch["values"][micro], batch["returns"][micro],
                                             tid, clip=cfg.value_clip or None, num_tokens=n_tok,
                                             validate=False)
@@ -803,6 +856,11 @@ def main(argv=None) -> dict:
     if cfg.tensorboard:
         from torch.utils.tensorboard import SummaryWriter   # needs `pip install tensorboard`
         tb = SummaryWriter(str(out / "tb"))
+    if step == 0 and cfg.eval_first:    # the starting point every later value is compared to
+        row = {"step": 0, **evaluate(model, tok, suite, cfg)}
+        with metrics_path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        print(f"step    0 | val pass@1 {row['val/pass@1']:.3f} (before training)")
     from tqdm import tqdm
     stop, row = StopFlag(), {}
     bar = tqdm(range(step, cfg.steps), initial=step, total=cfg.steps, desc=cfg.variant,
