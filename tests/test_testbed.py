@@ -1,4 +1,4 @@
-"""Tests for the credit-assignment testbed (testbed_env.py, `--preset testbed`, study.py).
+"""Tests for the credit-assignment testbed (experiments/testbed_env.py, `--preset testbed`).
 
 The environment's rewards and turn structure (plain and streaming), the word-level tokenizer, the
 turn-id layout of real rollouts through train_min.rollout, and the CI learning test: one seed of
@@ -18,7 +18,7 @@ import torch
 
 import mpo
 import presets
-from experiments import study
+from experiments.grid import updates_to
 from experiments import testbed_env as te
 import train_min
 from helpers import run_main
@@ -213,7 +213,7 @@ def test_default_testbed_learns_from_near_random_to_the_threshold(learn_args, ba
     val = [(r["step"], r["val/reward"]) for r in rows if "val/reward" in r]
     assert rows[0]["train/reward"] <= CHANCE_MAX                   # sampled success at the start: near chance
     assert val[0][1] < THRESHOLD
-    assert study.updates_to(val, THRESHOLD) is not None, f"never reached {THRESHOLD}: {val}"
+    assert updates_to(val, THRESHOLD) is not None, f"never reached {THRESHOLD}: {val}"
     assert rows[-1]["train/reward"] > 3 * rows[0]["train/reward"]
 
 
@@ -226,11 +226,6 @@ def test_zeroed_advantages_do_not_learn(learn_args, base, monkeypatch):
     monkeypatch.setattr(train_min, "compute_advantages", zeroed)
     rows = run_rows(learn_args + ["--out_dir", str(base / "zeroed")])
     val = [(r["step"], r["val/reward"]) for r in rows if "val/reward" in r]
-    assert study.updates_to(val, THRESHOLD) is None
+    assert updates_to(val, THRESHOLD) is None
     assert max(v for _, v in val) < 0.5 and rows[-1]["train/reward"] <= CHANCE_MAX
 
-
-def test_updates_to_threshold_is_the_first_evaluation_at_or_above_it():
-    assert study.updates_to([(5, 0.2), (10, 0.85), (15, 0.9)], 0.8) == 10
-    assert study.updates_to([(5, 0.2), (10, 0.8)], 0.8) == 10
-    assert study.updates_to([(5, 0.2), (10, 0.7)], 0.8) is None

@@ -1,0 +1,668 @@
+"""Run grids of train_min.py runs over seeds, and turn run folders into tables and plots.
+
+The paper's grids (§7 ablations, §10 settings; reference (λ, λ_intra, β) = (0.80, 0.95, 1.00)),
+one fresh process per run so each starts with clean GPU state:
+
+    python experiments/grid.py run settings --seeds 0 1 2 --compare  # A, B, C: runs/grid-settings
+    python experiments/grid.py run beta --seeds 0 1 2                 # β ∈ {0, 0.5, 1.0, 1.5, 2.0}
+    python experiments/grid.py run lam --seeds 0 1 2 -- --steps 100   # after --: to train_min.py
+    python experiments/grid.py compare runs/grid-settings/* --out reports/settings  # table, plots
+
+  settings   variant ∈ {mpo (A), mpo_token_is (B), mpo_beta0 (C)}
+  baselines  variant ∈ {ppo, grpo, gspo}
+  lam        λ ∈ {0.60, 0.80, 0.85}
+  lam_intra  λ_intra ∈ {0.90, 0.95, 1.00}
+  beta       β ∈ {0.0, 0.5, 1.0, 1.5, 2.0}
+
+The testbed study (docs/testbed.md): variants × seeds × turn lengths of `--preset testbed`
+(experiments/testbed_env.py) on a CPU, in at most 2 worker processes with one torch thread each:
+
+    python experiments/grid.py testbed                  # the default grid (~15 min on 2 cores)
+    python experiments/grid.py testbed --quick          # 2 seeds, L = 4, 20 updates (~2 min)
+    python experiments/grid.py testbed --variants mpo ppo --seeds 0 1 2 --turn_lens 4 8 --steps 60
+    python experiments/grid.py testbed --report_only    # table and plots again from finished runs
+    python experiments/grid.py testbed -- --testbed_turns 5   # after --: to every train_min run
+
+  settings   L ∈ {2, 4, 8} (K = 3 turns); L = 4 without the environment's ok/no feedback
+             ("L4-nofb"); streaming with L = 4 (feedback after every token, §11)
+  variants   mpo, mpo_token_is, mpo_beta0, ppo, grpo (streaming: mpo, ppo, grpo; with one-token
+             turns mpo_token_is and mpo_beta0 compute exactly what mpo computes)
+  seeds      0-4; budget 60 updates; success threshold 0.8
+Success = validation reward under greedy decoding = the fraction of keys right on 32 held-out clue
+sequences (chance ≈ 1/25 per key). After training, each testbed run's critic is measured on fresh
+validation episodes (turn_value_structure, §9). Outputs in --out: table.md, results.json,
+curves.png, final.png and runs/<setting>-<variant>-s<seed>/.
+
+Every run folder gets a marker, run.json: the full train_min argument list, the step budget, the
+step reached and `finished`, true only when train_min returned normally at its final step. A run
+is skipped when its marker is finished with the same argument list; an interrupted run with the
+same arguments resumes from its checkpoint; a run with other arguments starts again. So
+re-running the same command after a preemption continues where it stopped.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))          # python experiments/grid.py from anywhere
+
+MARKER = "run.json"
+GRIDS = {
+    "settings": [{"variant": v} for v in ("mpo", "mpo_token_is", "mpo_beta0")],
+    "baselines": [{"variant": v} for v in ("ppo", "grpo", "gspo")],
+    "lam": [{"lam": x} for x in (0.60, 0.80, 0.85)],
+    "lam_intra": [{"lam_intra": x} for x in (0.90, 0.95, 1.00)],
+    "beta": [{"beta": x} for x in (0.0, 0.5, 1.0, 1.5, 2.0)],
+}
+LABELS = {"mpo": "A: MPO", "mpo_token_is": "B: MPO w/ token IS", "mpo_beta0": "C: MPO β=0",
+          "ppo": "PPO", "grpo": "GRPO", "gspo": "GSPO"}      # the settings A, B, C of §10
+COLORS = {v: f"C{i}" for i, v in enumerate(LABELS)}           # one colour per variant everywhere
+TESTBED_VARIANTS = ("mpo", "mpo_token_is", "mpo_beta0", "ppo", "grpo")
+STREAM_VARIANTS = ("mpo", "ppo", "grpo")
+
+
+def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
+    """The grid's own arguments and, after `--`, those passed to every train_min run.
+
+    Example: split_argv(["run", "beta", "--", "--steps", "5"])
+             -> (["run", "beta"], ["--steps", "5"]).
+    """
+    if "--" not in argv:
+        return argv, []
+    i = argv.index("--")
+    return argv[:i], argv[i + 1:]
+
+
+def mean_std(xs: list, scale: float = 100.0, digits: int = 1, missing: str = "–") -> str:
+    """'mean ± sample std' of the finite values, scaled (percent by default); one value: itself.
+
+    Example: mean_std([0.5, 0.7]) -> "60.0 ± 14.1"; mean_std([None]) -> "–".
+    """
+    xs = [x for x in xs if x is not None and not math.isnan(x)]
+    if not xs:
+        return missing
+    if len(xs) == 1:
+        return f"{scale * xs[0]:.{digits}f}"
+    return f"{scale * statistics.mean(xs):.{digits}f} ± {scale * statistics.stdev(xs):.{digits}f}"
+
+
+# ---------------------------------------------------------------------------------------------
+# One run: train_min in this process, its marker written only when it reached its final step
+# ---------------------------------------------------------------------------------------------
+
+def read_marker(out: Path) -> dict | None:
+    f = Path(out) / MARKER
+    return json.loads(f.read_text()) if f.exists() else None
+
+
+def is_finished(job: dict) -> bool:
+    """The run's marker says it completed all its steps with exactly this argument list."""
+    marker = read_marker(job["out"])
+    return bool(marker and marker["finished"] and marker["argv"] == job["argv"])
+
+
+def last_step(out: Path) -> int:
+    """The step of the last row in the run's metrics.jsonl (0 when there is none)."""
+    f = out / "metrics.jsonl"
+    rows = [json.loads(line) for line in f.read_text().splitlines() if line.strip()] \
+        if f.exists() else []
+    return rows[-1]["step"] if rows else 0
+
+
+def train(argv: list[str]) -> dict:
+    """train_min.main(argv), with the process's SIGINT / SIGTERM handlers restored afterwards
+    (main installs its own, for checkpoint-on-preemption)."""
+    import train_min
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return train_min.main(argv)
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)
+
+
+def run_one(job: dict) -> dict:
+    """Train one run (resuming it if it was interrupted with the same arguments), measure its critic
+    if asked, and write its marker; returns the marker.
+
+    job: out (run folder), argv (train_min's arguments), meta (fields copied into the marker) and
+    optionally env (environment variables to set), threads (torch threads), measure_critic.
+    """
+    out = Path(job["out"])
+    previous = read_marker(out)
+    resume = bool(previous and previous["argv"] == job["argv"]
+                  and (out / "checkpoints" / "latest").exists())
+    os.environ.update(job.get("env", {}))
+    import torch
+    if job.get("threads"):
+        torch.set_num_threads(job["threads"])   # tiny matmuls: one thread per worker beats two
+    import train_min
+    steps = train_min.parse_config(job["argv"]).steps
+    out.mkdir(parents=True, exist_ok=True)
+    marker = {"argv": job["argv"], "steps": steps, "finished": False, **job.get("meta", {})}
+    (out / MARKER).write_text(json.dumps(marker, indent=1))
+    print(f"[grid] {out.name}: {'resuming' if resume else 'training'}, log in {out / 'log.txt'}",
+          flush=True)
+    t0 = time.perf_counter()
+    with open(out / "log.txt", "a" if resume else "w") as log, \
+            contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+        row = train(job["argv"] + (["--resume"] if resume else []))
+        reached = row.get("step", 0) if row else last_step(out)
+        marker.update(step=reached, finished=reached == steps,
+                      wall_s=time.perf_counter() - t0 + (previous.get("wall_s", 0.0) if resume
+                                                         else 0.0))
+        measure = marker["finished"] and job.get("measure_critic")
+        marker["structure"] = critic_structure(out) if measure else {}
+    (out / MARKER).write_text(json.dumps(marker, indent=1))
+    return marker
+
+
+def critic_structure(run_dir: Path, n: int = 4) -> dict:
+    """turn_value_structure (§9) of the run's trained critic on fresh sampled validation episodes.
+
+    Streaming episodes have one-token turns, where the statistics are trivially 1; there they are
+    also computed on the task's logical turns (groups of L tokens: a key and its fillers), with the
+    observation positions removed so each group is contiguous (the statistics read action tokens
+    only, so removing them changes nothing else).
+    """
+    import torch
+    import mpo
+    import run_utils
+    import train_min as tm
+    saved = json.loads((run_dir / "config.json").read_text())
+    options = saved.pop("preset_options", {})          # the testbed's flags (presets.py)
+    cfg = tm.Config(**saved)
+    cfg.preset_options = options
+    device = torch.device("cpu")
+    suite = tm.make_suite(cfg)
+    tok, model, value_head = tm.load_model(cfg, device)
+    ckpt = run_utils.latest_checkpoint(run_dir)
+    run_utils.load_checkpoint(ckpt, model, value_head, None, restore_rng=False)
+    tm.seed_everything(10_000 + cfg.seed)
+    batch = tm.collate(tm.rollout(model, tok, suite, suite.val, cfg, n), tok.pad_token_id, device)
+    tm.score_batch(model, value_head, batch, cfg)
+    out = dict(mpo.turn_value_structure(batch["values"], batch["turn_ids"]))
+    if options.get("testbed_streaming"):                   # logical turns: key + L - 1 fillers
+        act = batch["turn_ids"] >= 0
+        rows = [(batch["values"][b][act[b]],
+                 batch["turn_ids"][b][act[b]] // options["testbed_turn_len"])
+                for b in range(act.shape[0])]
+        T = max(len(v) for v, _ in rows)
+        values = torch.zeros(len(rows), T)
+        ids = torch.full((len(rows), T), -1, dtype=torch.long)
+        for b, (v, t) in enumerate(rows):
+            values[b, :len(v)], ids[b, :len(t)] = v, t
+        grouped = mpo.turn_value_structure(values, ids)
+        out.update({f"grouped_{k}": v for k, v in grouped.items()})
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The grid: skip finished runs, run the rest, stop at the first run that did not finish
+# ---------------------------------------------------------------------------------------------
+
+def run_jobs(jobs: list[dict], workers: int = 1, fresh: bool = False) -> list[dict]:
+    """Run the jobs whose markers are not finished; returns every job's marker, in job order.
+
+    workers 1 and not fresh: one after another in this process. Otherwise in `workers` spawned
+    processes; fresh: a new process per run (clean GPU state). A run that stops before its last
+    step (SIGTERM, Ctrl-C) ends the grid: re-running the same command resumes it.
+    """
+    todo = [j for j in jobs if not is_finished(j)]
+    print(f"[grid] {len(jobs)} runs, {len(jobs) - len(todo)} finished already, "
+          f"{len(todo)} to run ({workers} worker{'s' if workers > 1 else ''})", flush=True)
+    t0 = time.perf_counter()
+
+    def report(i: int, m: dict) -> None:
+        print(f"[grid] {i + 1}/{len(todo)} {Path(todo[i]['out']).name}: step {m['step']} of "
+              f"{m['steps']}, {m['wall_s']:.0f} s ({(time.perf_counter() - t0) / 60:.1f} min)",
+              flush=True)
+        if not m["finished"]:
+            raise SystemExit(f"[grid] {todo[i]['out']} stopped at step {m['step']} of "
+                             f"{m['steps']}; run the same command again to resume it")
+
+    if todo and workers <= 1 and not fresh:
+        for i, job in enumerate(todo):
+            report(i, run_one(job))
+    elif todo:
+        pool = ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn"),
+                                   max_tasks_per_child=1 if fresh else None)
+        try:
+            for i, m in enumerate(pool.map(run_one, todo)):
+                report(i, m)
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+    return [read_marker(j["out"]) for j in jobs]
+
+
+def run_name(point: dict, seed: int) -> str:
+    """Example: run_name({"lam": 0.6}, 3) -> "lam0.6-s3"."""
+    return "-".join(f"{k}{v}" for k, v in point.items()) + f"-s{seed}"
+
+
+def paper_jobs(grid: str, seeds: list[int], root: Path, extra: list[str]) -> list[dict]:
+    """One train_min run per grid point and seed, under root/<point>-s<seed>."""
+    jobs = []
+    for point in GRIDS[grid]:
+        for seed in seeds:
+            out = root / run_name(point, seed)
+            argv = ["--out_dir", str(out), "--seed", str(seed),
+                    *[f"--{k}={v}" for k, v in point.items()], *extra]
+            jobs.append({"out": str(out), "argv": argv, "meta": {"seed": seed, **point}})
+    return jobs
+
+
+def setting_name(turn_len: int, streaming: bool, feedback: bool = True) -> str:
+    """E.g. "L4", "stream-L4", "L4-nofb" (the environment's reply shows only the next clue)."""
+    return f"{'stream-' if streaming else ''}L{turn_len}{'' if feedback else '-nofb'}"
+
+
+def testbed_jobs(args, extra: list[str]) -> list[dict]:
+    """Variants × seeds × settings of `--preset testbed`, longest runs first (streaming, then long
+    turns), so two workers finish close together."""
+    settings = [(L, False, True, args.variants) for L in args.turn_lens]
+    settings += [(L, False, False, args.variants) for L in args.nofeedback_turn_lens]
+    if args.stream_turn_len:
+        settings.append((args.stream_turn_len, True, True, args.stream_variants))
+    jobs = []
+    for L, streaming, feedback, variants in settings:
+        for variant in variants:
+            for seed in args.seeds:
+                name = setting_name(L, streaming, feedback)
+                out = args.out / "runs" / f"{name}-{variant}-s{seed}"
+                argv = ["--preset", "testbed", "--variant", variant, "--seed", str(seed),
+                        "--steps", str(args.steps), "--testbed_turn_len", str(L),
+                        "--out_dir", str(out),
+                        *(["--testbed_streaming", "true"] if streaming else []),
+                        *([] if feedback else ["--testbed_feedback", "false"]), *extra]
+                meta = {"setting": name, "variant": variant, "seed": seed, "turn_len": L,
+                        "streaming": streaming, "feedback": feedback}
+                env = {"HF_HUB_OFFLINE": "1", "MPO_CACHE": str(args.cache)}   # no downloads
+                jobs.append({"out": str(out), "argv": argv, "meta": meta, "env": env,
+                             "threads": 1, "measure_critic": variant != "grpo"})
+    return sorted(jobs, key=lambda j: (not j["meta"]["streaming"], -j["meta"]["turn_len"]))
+
+
+# ---------------------------------------------------------------------------------------------
+# Plots: one plotter for every curve figure (mean over seeds, shaded ± std)
+# ---------------------------------------------------------------------------------------------
+
+def plot_curves(panels: dict[str, dict[str, list[dict]]], path: Path, xlabel: dict[str, str],
+                ylabel: str, hline: float | None = None, colors: dict | None = None) -> Path:
+    """One panel per key of `panels`, one line per label: each run is a curve {step: (x, y)};
+    plotted at the steps all of a label's runs share, x and y averaged over the runs, y shaded
+    ± std where there are several."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+    ncols = min(3, len(panels))
+    nrows = math.ceil(len(panels) / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(4.2 * ncols, 3.4 * nrows), squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.set_visible(False)
+    for ax, (title, lines) in zip(axes.flat, panels.items()):
+        for label, curves in lines.items():
+            steps = sorted(set.intersection(*(set(c) for c in curves)))
+            if not steps:
+                continue
+            x = np.array([np.mean([c[s][0] for c in curves]) for s in steps])
+            y = np.array([[c[s][1] for s in steps] for c in curves])       # (runs, steps)
+            mu, sd = y.mean(0), y.std(0)
+            color = (colors or {}).get(label)
+            ax.plot(x, mu, marker="o", ms=3, color=color, label=f"{label} (n={len(curves)})")
+            if len(curves) > 1:
+                ax.fill_between(x, mu - sd, mu + sd, color=color, alpha=0.15)
+        if hline is not None:
+            ax.axhline(hline, color="grey", lw=0.8, ls="--")
+        ax.set_title(title)
+        ax.set_xlabel(xlabel.get(title, "step"))
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# compare: any run folders (the paper's grids) -> table.md and plots
+# ---------------------------------------------------------------------------------------------
+
+def load_run(path: Path) -> dict:
+    """A run folder's config and metrics rows; refuses folders that are not runs."""
+    cfg_file, metrics_file = path / "config.json", path / "metrics.jsonl"
+    if not cfg_file.exists() or not metrics_file.exists():
+        raise ValueError(f"{path} is not a run folder (needs config.json and metrics.jsonl)")
+    rows = [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
+    if not rows:
+        raise ValueError(f"{path}/metrics.jsonl has no rows")
+    return {"path": path, "config": json.loads(cfg_file.read_text()), "rows": rows}
+
+
+def setting_of(cfg: dict) -> str:
+    """What distinguishes runs apart from the seed: the variant and its (λ, λ_intra, β)."""
+    label = LABELS.get(cfg["variant"], cfg["variant"])
+    if cfg["variant"].startswith("mpo"):
+        label += f" (λ={cfg['lam']:g}, λ_intra={cfg['lam_intra']:g}, β={cfg['beta']:g})"
+    return label
+
+
+def last(rows: list[dict], key: str) -> float | None:
+    vals = [r[key] for r in rows if key in r]
+    return vals[-1] if vals else None
+
+
+def compare_table(runs: list[dict]) -> str:
+    """Markdown: one row per setting, mean ± std over its seeds (percent)."""
+    groups: dict[str, list[dict]] = {}
+    for r in runs:
+        groups.setdefault(setting_of(r["config"]), []).append(r)
+    ks = sorted({int(k.split("@")[1]) for r in runs for row in r["rows"] for k in row
+                 if k.startswith("val/pass@")})
+    head = ["setting", "seeds", "steps", *[f"val pass@{k}" for k in ks], "best val pass@1",
+            "train reward (last)", "wall time"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, rs in groups.items():
+        cells = [name, str(len(rs)), "/".join(sorted({str(r["rows"][-1]["step"]) for r in rs}))]
+        cells += [mean_std([last(r["rows"], f"val/pass@{k}") for r in rs]) for k in ks]
+        cells.append(mean_std([max((row["val/pass@1"] for row in r["rows"] if "val/pass@1" in row),
+                                   default=None) for r in rs]))
+        cells.append(mean_std([last(r["rows"], "train/reward") for r in rs]))
+        wall = [sum(row.get("time/step_s", 0.0) for row in r["rows"]) for r in rs]
+        cells.append(f"{statistics.mean(wall) / 60:.1f} min")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + ("\n\nNumbers in percent; mean ± sample std over seeds; val pass@k "
+                               "at the last evaluation.\n")
+
+
+def compare_plots(runs: list[dict], out: Path) -> list[Path]:
+    """Train reward and validation pass@1 against step and against wall time, one line per
+    setting."""
+    files = []
+    for key, title in (("train/reward", "train reward"), ("val/pass@1", "validation pass@1")):
+        by_step: dict[str, list[dict]] = {}
+        by_wall: dict[str, list[dict]] = {}
+        for r in runs:
+            wall = 0.0
+            steps, walls = {}, {}
+            for row in r["rows"]:
+                wall += row.get("time/step_s", 0.0) / 60
+                if key in row:
+                    steps[row["step"]] = (row["step"], row[key])
+                    walls[row["step"]] = (wall, row[key])
+            name = setting_of(r["config"])
+            by_step.setdefault(name, []).append(steps)
+            by_wall.setdefault(name, []).append(walls)
+        f = out / f"{key.replace('/', '_').replace('@', 'at')}.png"
+        files.append(plot_curves({"by step": by_step, "by wall time": by_wall}, f,
+                                 {"by step": "step", "by wall time": "wall time (min)"}, title))
+    return files
+
+
+def compare(paths: list[Path], out: Path) -> str:
+    runs = [load_run(Path(p)) for p in paths]
+    out.mkdir(parents=True, exist_ok=True)
+    md = compare_table(runs)
+    (out / "table.md").write_text(md)
+    pngs = compare_plots(runs, out)
+    print(md)
+    print("wrote " + ", ".join(str(p) for p in [out / "table.md", *pngs]))
+    return md
+
+
+# ---------------------------------------------------------------------------------------------
+# The testbed report: table.md, results.json, curves.png, final.png
+# ---------------------------------------------------------------------------------------------
+
+def load_results(out: Path) -> list[dict]:
+    """The markers of the finished runs under out/runs, each with its validation curve."""
+    results = []
+    for f in sorted((out / "runs").glob(f"*/{MARKER}")):
+        s = json.loads(f.read_text())
+        if not s["finished"]:
+            continue
+        rows = [json.loads(line) for line in (f.parent / "metrics.jsonl").read_text().splitlines()
+                if line.strip()]
+        s["curve"] = [(r["step"], r["val/reward"]) for r in rows if "val/reward" in r]
+        results.append(s)
+    return results
+
+
+def updates_to(curve: list[tuple[int, float]], threshold: float) -> int | None:
+    """The first evaluated update at which validation success reaches the threshold (None: never).
+
+    Example: updates_to([(5, 0.2), (10, 0.85), (15, 0.9)], 0.8) -> 10.
+    """
+    return next((step for step, v in curve if v >= threshold), None)
+
+
+def groups_of(results: list[dict]) -> dict[tuple[str, str], list[dict]]:
+    order = {v: i for i, v in enumerate(LABELS)}
+    keyed: dict[tuple[str, str], list[dict]] = {}
+    for r in sorted(results, key=lambda r: (r["streaming"], not r["feedback"], r["turn_len"],
+                                            order.get(r["variant"], 99), r["seed"])):
+        keyed.setdefault((r["setting"], r["variant"]), []).append(r)
+    return keyed
+
+
+def testbed_table(results: list[dict], threshold: float) -> str:
+    head = ["setting", "variant", "seeds", "final success", "mean success (AUC)",
+            f"updates to {threshold:g}", "critic between-share", "critic boundary share",
+            "min / run"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for (setting, variant), rs in groups_of(results).items():
+        reach = [updates_to(r["curve"], threshold) for r in rs]
+        hit = [u for u in reach if u is not None]
+        prefix = "grouped_" if rs[0]["streaming"] else ""
+        critics = [r["structure"] for r in rs if r["structure"]]
+        lines.append("| " + " | ".join([
+            setting, LABELS.get(variant, variant), str(len(rs)),
+            mean_std([r["curve"][-1][1] for r in rs]),
+            mean_std([statistics.mean(v for _, v in r["curve"]) for r in rs]),
+            (mean_std(hit, 1.0, 0) if hit else "–") + f" ({len(hit)}/{len(rs)})",
+            mean_std([c.get(prefix + "between_share_token_median") for c in critics]),
+            mean_std([c.get(prefix + "boundary_share_sq_changes") for c in critics]),
+            f"{statistics.mean(r['wall_s'] for r in rs) / 60:.1f}",
+        ]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def paired_table(results: list[dict], ref: str = "mpo") -> str:
+    """MPO minus each other variant, paired by seed (same initial model, same tasks): mean ±
+    standard error of the per-seed differences and t = mean / SE (with 5 seeds, |t| > 2.78 is
+    p < 0.05)."""
+    by = {(r["setting"], r["variant"], r["seed"]): r for r in results}
+    metrics = {"final": lambda r: r["curve"][-1][1],
+               "AUC": lambda r: statistics.mean(v for _, v in r["curve"])}
+    lines = [f"| setting | {LABELS[ref]} minus | seeds | Δ final success | t | Δ AUC | t |",
+             "|---|---|---|---|---|---|---|"]
+    for (setting, variant), rs in groups_of(results).items():
+        seeds = [r["seed"] for r in rs if (setting, ref, r["seed"]) in by]
+        if variant == ref or len(seeds) < 2:
+            continue
+        cells = [setting, LABELS.get(variant, variant), str(len(seeds))]
+        for f in metrics.values():
+            d = [100 * (f(by[(setting, ref, s)]) - f(by[(setting, variant, s)])) for s in seeds]
+            se = statistics.stdev(d) / math.sqrt(len(d))
+            t = f"{statistics.mean(d) / se:+.1f}" if se > 0 else "–"
+            cells += [f"{statistics.mean(d):+.1f} ± {se:.1f}", t]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n" if len(lines) > 2 else ""
+
+
+def final_bars(keyed: dict[tuple[str, str], list[dict]], path: Path) -> Path:
+    """Final validation success per setting, one bar per variant (mean, error bar ± std)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+    settings = list(dict.fromkeys(s for s, _ in keyed))
+    variants = list(dict.fromkeys(v for _, v in keyed))
+    fig, ax = plt.subplots(figsize=(1.2 + 1.6 * len(settings), 3.6))
+    width = 0.8 / len(variants)
+    for i, variant in enumerate(variants):
+        xs, mus, sds = [], [], []
+        for j, setting in enumerate(settings):
+            if (setting, variant) in keyed:
+                finals = [r["curve"][-1][1] for r in keyed[(setting, variant)]]
+                xs.append(j + (i - (len(variants) - 1) / 2) * width)
+                mus.append(np.mean(finals))
+                sds.append(np.std(finals))
+        ax.bar(xs, mus, width, yerr=sds, capsize=2, color=COLORS.get(variant),
+               label=LABELS.get(variant, variant))
+    ax.set_xticks(range(len(settings)), settings)
+    ax.set_ylabel("final validation success")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def testbed_plots(results: list[dict], out: Path, threshold: float) -> list[Path]:
+    keyed = groups_of(results)
+    panels: dict[str, dict[str, list[dict]]] = {}
+    for (setting, variant), rs in keyed.items():
+        panels.setdefault(setting, {})[LABELS.get(variant, variant)] = [
+            {step: (step, v) for step, v in r["curve"]} for r in rs]
+    colors = {LABELS[v]: c for v, c in COLORS.items()}
+    curves = plot_curves(panels, out / "curves.png", dict.fromkeys(panels, "updates"),
+                         "validation success (greedy)",
+                         hline=threshold, colors=colors)
+    return [curves, final_bars(keyed, out / "final.png")]
+
+
+def testbed_report(out: Path, threshold: float, header: str = "") -> str:
+    results = load_results(out)
+    if not results:
+        raise SystemExit(f"no finished runs under {out / 'runs'}")
+    md = header + testbed_table(results, threshold) + (
+        "\nSuccess: validation reward under greedy decoding (fraction of keys right), in percent; "
+        "mean ± sample std over seeds. AUC: mean over the evaluations every few updates. "
+        f"Updates to {threshold:g}: first evaluation at or above it, over the seeds that reached "
+        "it (reached/seeds). Critic columns: turn_value_structure (§9) of the trained critic on "
+        "fresh validation episodes, between-share = median share of value variance explained by "
+        "turn means, boundary share = share of squared adjacent value changes that cross a turn "
+        "boundary; streaming rows use the logical turns (key + fillers). GRPO has no critic.\n")
+    paired = paired_table(results)
+    if paired:
+        md += ("\nPaired by seed, A: MPO minus each variant (percentage points; mean ± standard "
+               "error over seeds; t = mean / SE, |t| > 2.78 is p < 0.05 two-sided with 5 seeds):"
+               "\n\n" + paired)
+    (out / "table.md").write_text(md)
+    (out / "results.json").write_text(json.dumps(results, indent=1))   # curve, structure, wall
+    pngs = testbed_plots(results, out, threshold)
+    print(md)
+    print("wrote " + ", ".join(str(p) for p in [out / "table.md", out / "results.json", *pngs]))
+    return md
+
+
+def git_commit() -> str:
+    try:
+        git = ["git", "-C", str(ROOT)]
+        sha = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True).stdout.strip()
+        dirty = subprocess.run([*git, "status", "--porcelain"], capture_output=True,
+                               text=True).stdout.strip()
+        return sha + ("+uncommitted changes" if dirty else "")
+    except OSError:
+        return "unknown"
+
+
+def testbed(args, argv: list[str], extra: list[str]) -> str:
+    """The testbed study: run the grid (unless --report_only), then its report."""
+    if args.quick:
+        args.seeds, args.turn_lens, args.nofeedback_turn_lens, args.steps = [0, 1], [4], [], 20
+        args.stream_variants = ["mpo", "ppo"]
+        if args.out == Path("runs/testbed-study"):
+            args.out = Path("runs/testbed-study-quick")
+    args.cache = (args.cache or args.out / "cache").resolve()
+    args.out = args.out.resolve()
+    info_file = args.out / "grid_info.json"
+    if not args.report_only:
+        jobs = testbed_jobs(args, extra)
+        print(f"output in {args.out}", flush=True)
+        t0 = time.perf_counter()
+        run_jobs(jobs, args.workers)
+        info_file.write_text(json.dumps({
+            "command": "python experiments/grid.py " + " ".join(argv),
+            "wall_min": (time.perf_counter() - t0) / 60, "commit": git_commit(), "runs": len(jobs),
+            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+            "python": platform.python_version()}, indent=1))
+    info = json.loads(info_file.read_text()) if info_file.exists() else {}
+    header = (f"Command: `{info['command']}`; {info['runs']} runs in {info['wall_min']:.1f} min "
+              f"on {info['machine']}; commit {info['commit']}.\n\n") if info else ""
+    return testbed_report(args.out, args.threshold, header)
+
+
+def main(argv=None) -> str | None:
+    """The command line; returns the Markdown table it printed (None for a grid without --compare)."""
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="one of the paper's grids over seeds (fresh process per run)")
+    r.add_argument("grid", choices=sorted(GRIDS))
+    r.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    r.add_argument("--root", type=Path, default=None, help="runs folder (default runs/grid-<grid>)")
+    r.add_argument("--compare", action="store_true", help="compare the runs when the grid ends")
+    c = sub.add_parser("compare", help="table and plots from any run folders")
+    c.add_argument("runs", type=Path, nargs="+")
+    c.add_argument("--out", type=Path, default=Path("reports/compare"))
+    t = sub.add_parser("testbed", help="the testbed study on a CPU (docs/testbed.md)")
+    t.add_argument("--variants", nargs="+", default=list(TESTBED_VARIANTS),
+                   choices=TESTBED_VARIANTS)
+    t.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    t.add_argument("--turn_lens", type=int, nargs="*", default=[2, 4, 8],
+                   help="L of the non-streaming settings")
+    t.add_argument("--nofeedback_turn_lens", type=int, nargs="*", default=[4],
+                   help="L of settings run with --testbed_feedback false (none: no such setting)")
+    t.add_argument("--stream_turn_len", type=int, default=4,
+                   help="L of the streaming setting (0: none)")
+    t.add_argument("--stream_variants", nargs="+", default=list(STREAM_VARIANTS),
+                   choices=TESTBED_VARIANTS)
+    t.add_argument("--steps", type=int, default=60, help="updates per run (the fixed budget)")
+    t.add_argument("--threshold", type=float, default=0.8,
+                   help="success level for 'updates to threshold'")
+    t.add_argument("--workers", type=int, default=2, choices=(1, 2),
+                   help="worker processes (2 CPU cores: at most 2; 1: in this process)")
+    t.add_argument("--out", type=Path, default=Path("runs/testbed-study"),
+                   help="output folder (runs/ is git-ignored)")
+    t.add_argument("--cache", type=Path, default=None,
+                   help="tiny-model cache (default <out>/cache: built from scratch)")
+    t.add_argument("--quick", action="store_true",
+                   help="2 seeds, L = 4 (+ streaming mpo, ppo), 20 updates")
+    t.add_argument("--report_only", action="store_true",
+                   help="only rebuild table and plots from finished runs")
+    argv = sys.argv[1:] if argv is None else argv
+    own, extra = split_argv(argv)
+    args = ap.parse_args(own)
+    if args.cmd == "run":
+        root = args.root or Path("runs") / f"grid-{args.grid}"
+        jobs = paper_jobs(args.grid, args.seeds, root, extra)
+        run_jobs(jobs, workers=1, fresh=True)
+        if args.compare:
+            return compare([Path(j["out"]) for j in jobs], root / "report")
+        return None
+    if args.cmd == "compare":
+        return compare(args.runs, args.out)
+    return testbed(args, argv, extra)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,206 @@
+"""experiments/grid.py: the finished-marker, skip and resume, the paper grids, compare tables and
+plots from real tiny-preset runs, and the testbed study end to end.
+
+The tiny-preset runs use a tiny model built once here without warm start (seconds), passed with
+--model so nothing is downloaded or rebuilt; torch runs single-threaded as in test_train_min.py
+(two threads on a loaded 2-core machine are ~1000x slower for tiny matmuls).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+import mpo
+import presets
+import train_min
+from experiments import grid
+from helpers import run_main
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    suite = train_min.make_suite(train_min.parse_config(["--preset", "tiny"]))
+    path = presets.build_tiny_model(tmp_path_factory.mktemp("model") / "tiny", suite.corpus)
+    yield path
+    torch.set_num_threads(n)
+
+
+def tiny_job(tiny_model: str, out: Path, *extra: str) -> dict:
+    argv = ["--preset", "tiny", "--model", tiny_model, "--steps", "2", "--eval_every", "1",
+            "--cpu_threads", "1", "--out_dir", str(out), *extra]
+    return {"out": str(out), "argv": argv, "meta": {"seed": 0}}
+
+
+def metrics_steps(out: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+# ---------------------------------------------------------------------------------------------
+# The finished-marker, skip and resume
+# ---------------------------------------------------------------------------------------------
+
+def test_split_argv_passes_everything_after_the_double_dash_to_train_min():
+    assert grid.split_argv(["run", "beta", "--", "--steps", "5"]) == (["run", "beta"],
+                                                                      ["--steps", "5"])
+    assert grid.split_argv(["testbed", "--quick"]) == (["testbed", "--quick"], [])
+
+
+def test_a_marker_counts_as_finished_only_with_the_same_arguments(tmp_path):
+    job = {"out": str(tmp_path), "argv": ["--steps", "2", "--out_dir", str(tmp_path)]}
+    assert not grid.is_finished(job)                                       # no marker
+    marker = {"argv": job["argv"], "steps": 2, "step": 2, "finished": True}
+    (tmp_path / grid.MARKER).write_text(json.dumps(marker))
+    assert grid.is_finished(job)
+    assert not grid.is_finished({**job, "argv": job["argv"] + ["--lam", "0.6"]})   # other flags
+    (tmp_path / grid.MARKER).write_text(json.dumps({**marker, "step": 1, "finished": False}))
+    assert not grid.is_finished(job)
+
+
+def test_a_run_stopped_before_its_last_step_is_not_finished_and_resumes(tiny_model, tmp_path,
+                                                                        monkeypatch):
+    """SIGTERM during step 1 of 2: train_min checkpoints and returns normally at step 1; the grid
+    must not call that finished, and the same grid again resumes it to step 2."""
+    real, calls = mpo.outcome_rewards, []
+
+    def preempted(*args, **kwargs):
+        if not calls:
+            os.kill(os.getpid(), signal.SIGTERM)          # train_min's handler sets its stop flag
+        calls.append(1)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(mpo, "outcome_rewards", preempted)
+    job = tiny_job(tiny_model, tmp_path / "run")
+    with pytest.raises(SystemExit, match="stopped at step 1 of 2"):
+        grid.run_jobs([job])
+    marker = grid.read_marker(tmp_path / "run")
+    assert (marker["finished"], marker["step"], marker["steps"]) == (False, 1, 2)
+    assert marker["argv"] == job["argv"]
+    assert not grid.is_finished(job)
+    monkeypatch.setattr(mpo, "outcome_rewards", real)
+    [marker] = grid.run_jobs([job])
+    assert (marker["finished"], marker["step"]) == (True, 2)
+    assert "resumed from" in (tmp_path / "run" / "log.txt").read_text()
+    assert metrics_steps(tmp_path / "run")[-2:] == [1, 2]
+    # other flags: not finished, trained again from step 0 rather than resumed
+    other = tiny_job(tiny_model, tmp_path / "run", "--lam", "0.6")
+    [marker] = grid.run_jobs([other])
+    assert marker["finished"] and marker["argv"] == other["argv"]
+    assert "resumed from" not in (tmp_path / "run" / "log.txt").read_text()
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["lam"] == 0.6
+
+
+def test_paper_grid_runs_each_point_and_seed_once_then_skips_finished_runs(tiny_model, tmp_path,
+                                                                           monkeypatch):
+    """Fresh spawned processes, one per run, as on a GPU."""
+    monkeypatch.setitem(grid.GRIDS, "test", [{"variant": "mpo"}, {"lam": 0.6}])
+    extra = ["--preset", "tiny", "--model", tiny_model, "--steps", "1", "--eval_every", "1",
+             "--cpu_threads", "1"]
+    jobs = grid.paper_jobs("test", [3], tmp_path, extra)
+    assert [Path(j["out"]).name for j in jobs] == ["variantmpo-s3", "lam0.6-s3"]
+    markers = grid.run_jobs(jobs, workers=1, fresh=True)
+    for job, marker in zip(jobs, markers):
+        assert marker["finished"] and marker["argv"] == job["argv"] and marker["step"] == 1
+        assert metrics_steps(Path(job["out"]))[-1] == 1
+    cfg = json.loads((Path(jobs[1]["out"]) / "config.json").read_text())
+    assert cfg["lam"] == 0.6 and cfg["seed"] == 3
+    monkeypatch.setattr(grid, "run_one", lambda job: pytest.fail("a finished run was re-run"))
+    monkeypatch.setattr(grid, "ProcessPoolExecutor",
+                        lambda *a, **k: pytest.fail("a process was started for finished runs"))
+    assert grid.run_jobs(jobs, workers=1, fresh=True) == markers
+
+
+# ---------------------------------------------------------------------------------------------
+# compare: table and plots from any run folders
+# ---------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def four_runs(tiny_model, tmp_path_factory) -> list[Path]:
+    """Settings A and C, two seeds each, 2 steps, validated every step: real metrics.jsonl files."""
+    root = tmp_path_factory.mktemp("runs")
+    dirs = []
+    for variant in ("mpo", "mpo_beta0"):
+        for seed in (0, 1):
+            out = root / f"{variant}-s{seed}"
+            run_main(["--preset", "tiny", "--model", tiny_model, "--variant", variant,
+                      "--seed", str(seed), "--steps", "2", "--eval_every", "1",
+                      "--out_dir", str(out)])
+            dirs.append(out)
+    return dirs
+
+
+def test_compare_writes_a_mean_std_table_and_plots_from_real_runs(four_runs, tmp_path):
+    md = grid.compare(four_runs, tmp_path / "report")
+    rows = [line for line in md.splitlines() if line.startswith(("| A: MPO", "| C: MPO"))]
+    assert len(rows) == 2                                     # one row per setting, seeds pooled
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert cells[1] == "2" and cells[2] == "2"            # 2 seeds, 2 steps
+        assert "±" in cells[3]                                # val pass@1: mean ± std over seeds
+    # the table's numbers are the runs' numbers: recompute A's mean val pass@1 by hand
+    a_runs = [d for d in four_runs if d.name.startswith("mpo-")]
+    last = [[json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()][-1]
+            ["val/pass@1"] for d in a_runs]
+    a_cells = [c.strip() for c in rows[0].strip("|").split("|")]
+    assert a_cells[3].startswith(f"{100 * sum(last) / 2:.1f} ±")
+    assert (tmp_path / "report" / "table.md").read_text() == md
+    for name in ("train_reward.png", "val_passat1.png"):
+        png = tmp_path / "report" / name
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_compare_refuses_a_folder_that_is_not_a_run(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="not a run folder"):
+        grid.compare([tmp_path / "empty"], tmp_path / "report")
+
+
+def test_mean_std_is_the_sample_std_in_percent():
+    assert grid.mean_std([0.5, 0.7]) == "60.0 ± 14.1"
+    assert grid.mean_std([0.25]) == "25.0"
+    assert grid.mean_std([None, float("nan")]) == "–"
+    assert grid.mean_std([40, 50], 1.0, 0) == "45 ± 7"
+
+
+# ---------------------------------------------------------------------------------------------
+# The testbed study
+# ---------------------------------------------------------------------------------------------
+
+def test_updates_to_threshold_is_the_first_evaluation_at_or_above_it():
+    assert grid.updates_to([(5, 0.2), (10, 0.85), (15, 0.9)], 0.8) == 10
+    assert grid.updates_to([(5, 0.2), (10, 0.8)], 0.8) == 10
+    assert grid.updates_to([(5, 0.2), (10, 0.7)], 0.8) is None
+
+
+def test_testbed_study_end_to_end_writes_markers_critic_structure_table_and_plots(tmp_path,
+                                                                                  one_thread):
+    """The CLI in this process (--workers 1): one plain and one streaming setting, 2 updates."""
+    out = tmp_path / "study"
+    md = grid.main(["testbed", "--variants", "mpo", "grpo", "--seeds", "0", "--turn_lens", "2",
+                    "--nofeedback_turn_lens", "--stream_turn_len", "2", "--stream_variants", "mpo",
+                    "--steps", "2", "--workers", "1", "--out", str(out),
+                    "--", "--eval_every", "1"])
+    names = sorted(p.parent.name for p in (out / "runs").glob(f"*/{grid.MARKER}"))
+    assert names == ["L2-grpo-s0", "L2-mpo-s0", "stream-L2-mpo-s0"]
+    stream = grid.read_marker(out / "runs" / "stream-L2-mpo-s0")
+    assert stream["finished"] and stream["argv"][-2:] == ["--eval_every", "1"]
+    assert "--testbed_streaming" in stream["argv"]
+    assert 0 <= stream["structure"]["grouped_between_share_token_median"] <= 1
+    assert grid.read_marker(out / "runs" / "L2-grpo-s0")["structure"] == {}   # GRPO: no critic
+    rows = [line for line in md.splitlines() if line.startswith(("| L2 |", "| stream-L2 |"))]
+    assert [r.split("|")[2].strip() for r in rows] == ["A: MPO", "GRPO", "A: MPO"]
+    results = json.loads((out / "results.json").read_text())
+    assert {r["variant"] for r in results} == {"mpo", "grpo"} and len(results) == 3
+    info = json.loads((out / "grid_info.json").read_text())
+    assert info["runs"] == 3 and info["command"].startswith("python experiments/grid.py testbed")
+    for name in ("curves.png", "final.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # --report_only rebuilds the same table from the markers without training
+    table = (out / "table.md").read_text()
+    (out / "table.md").unlink()
+    assert grid.main(["testbed", "--report_only", "--out", str(out)]) == table
