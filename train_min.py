@@ -20,26 +20,21 @@ tiny model's build and warm start included) and 10 s once cached; `--preset test
 task in 60 updates (docs/testbed.md). GPU peak memory and seconds per step of the default run are
 NOT measured yet (no GPU so far; docs/reproduction.md says when they are).
 
-Sections: config → seeding → model → environment → rollout → advantages → update →
-evaluation / logging / checkpoint → main. Algorithm lines carry a `# MPO:` tag. The presets
-(--preset tiny | testbed: the tiny model, its warm start, the testbed task) live in presets.py.
+Sections, in run order: config → model → environment → rollout → advantages → update →
+evaluation → main (one iteration). Algorithm lines carry a `# MPO:` tag. The presets (the tiny
+model, its warm start, the testbed task) live in presets.py; checkpoints, resuming, metrics.jsonl,
+pass@k, seeding and the other run infrastructure in run_utils.py.
 """
 from __future__ import annotations
 
 import json
-import math
-import os
-import random
-import shutil
-import signal
 import sys
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -47,14 +42,14 @@ import torch.nn.functional as F
 import mpo
 import presets
 import search_env
+from run_utils import (MetricsLog, StopFlag, cpu_4bit_workaround, data_order, episode_stats,
+                       eval_only, log_line, parse_with_presets, resume, save_checkpoint,
+                       seed_everything, setup_device)
 
 VARIANTS = ("mpo", "mpo_token_is", "mpo_beta0", "ppo", "grpo", "gspo")
 
 
-# ---------------------------------------------------------------------------------------------
-# Config
-# ---------------------------------------------------------------------------------------------
-
+# --- Config ------------------------------------------------------------------------------------
 def arg(default, help: str):
     """A Config field with its --help text."""
     return field(default=default, metadata={"help": help})
@@ -106,13 +101,9 @@ class Config:
     minibatches: int = arg(4, "optimiser steps per epoch")
     micro_batch_size: int = arg(4, "trajectories per forward/backward (memory knob)")
     rollout_batch_size: int = arg(64, "trajectories per generate call (memory knob)")
-    # The paper fine-tunes all weights at 1e-6 (§10). LoRA trains a low-rank update from zero
-    # through a scale alpha/r, so it needs a much larger step for the same change in the policy;
-    # 1e-5 (policy) is the usual QLoRA-RL range. The critic and its fresh value head start from
-    # nothing and must fit returns quickly, hence larger rates.
-    lr_policy: float = arg(1e-5, "policy adapter learning rate (see comment)")
-    lr_critic: float = arg(5e-5, "critic adapter learning rate")
-    lr_value_head: float = arg(1e-3, "value head learning rate")
+    lr_policy: float = arg(1e-5, "policy LoRA rate (§10: 1e-6 for all weights; LoRA needs more)")
+    lr_critic: float = arg(5e-5, "critic LoRA rate; higher: it starts from nothing, fits returns")
+    lr_value_head: float = arg(1e-3, "value head learning rate (zero-initialised)")
     max_grad_norm: float = arg(1.0, "gradient clipping")
     temperature: float = arg(1.0, "sampling temperature; log-probs use the same scaling")
     # --- evaluation / logging / checkpoint ---
@@ -152,55 +143,11 @@ class Config:
 
 
 def parse_config(argv=None) -> Config:
-    """Config from the command line; then the preset's overrides, except for flags given."""
-    from transformers import HfArgumentParser
-    argv = sys.argv[1:] if argv is None else argv
-    option_types = [p.options for p in presets.PRESETS.values() if p.options]
-    cfg, *options = HfArgumentParser([Config, *option_types]).parse_args_into_dataclasses(args=argv)
-    given = {a.lstrip("-").split("=")[0].replace("-", "_") for a in argv if a.startswith("--")}
-    preset = presets.PRESETS[cfg.preset]
-    for opts in options:                # every preset's flags parse; only the chosen one's apply
-        if type(opts) is preset.options:
-            cfg.preset_options = asdict(opts)
-        elif misplaced := sorted(given & {f.name for f in fields(opts)}):
-            owner = next(n for n, p in presets.PRESETS.items() if p.options is type(opts))
-            raise ValueError(f"--{misplaced[0]} needs --preset {owner}")
-    for k, v in preset.overrides.items():
-        if k not in given:
-            setattr(cfg, k, v)
-    return cfg
+    """Config from argv (default sys.argv) with the preset's overrides and its own flags."""
+    return parse_with_presets(Config, argv)
 
 
-# ---------------------------------------------------------------------------------------------
-# Seeding
-# ---------------------------------------------------------------------------------------------
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
-def rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(),
-             "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-# ---------------------------------------------------------------------------------------------
-# Model: 4-bit base, "policy" and "critic" LoRA adapters, value head
-# ---------------------------------------------------------------------------------------------
-
+# --- Model: 4-bit base, "policy" and "critic" LoRA adapters, value head ------------------------
 class ValueHead(nn.Module):
     """V(prefix) from the critic adapter's last hidden state: one linear layer, kept in float32."""
 
@@ -212,15 +159,6 @@ class ValueHead(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return self.linear(h.float()).squeeze(-1)                              # (B, T)
-
-
-def _cpu_4bit_workaround(model) -> None:
-    """bitsandbytes on CPU repacks 4-bit weights after an eval-mode forward, which then breaks
-    backward (Qwen2) or silently corrupts LoRA gradients (Qwen3); see stack notes. GPUs: no-op."""
-    import bitsandbytes as bnb
-    for m in model.modules():
-        if isinstance(m, bnb.nn.Linear4bit):
-            m.support_avx512bf16_for_cpu = False
 
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -254,7 +192,7 @@ def load_model(cfg: Config, device: torch.device):
         base = prepare_model_for_kbit_training(
             base, use_gradient_checkpointing=cfg.gradient_checkpointing,
             gradient_checkpointing_kwargs={"use_reentrant": False})
-        _cpu_4bit_workaround(base)
+        cpu_4bit_workaround(base)       # run_utils: a bitsandbytes CPU bug; GPUs: no-op
     elif cfg.gradient_checkpointing:
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     # LoRA dropout 0: the first minibatch's ratio must be exactly 1 (old_logp = logp).
@@ -279,7 +217,8 @@ def use_adapter(model, name: str) -> None:
 
 def first_adapted_layer(model) -> int:
     """Index of the lowest decoder layer carrying LoRA (0 unless --lora_layers is set)."""
-    return min(model.peft_config["policy"].layers_to_transform or [0])
+    config = next(iter(model.peft_config.values()))          # all adapters share the layers
+    return min(config.layers_to_transform or [0])
 
 
 @contextmanager
@@ -321,10 +260,8 @@ def hidden_states(model, ids, attn, frozen=None) -> torch.Tensor:
 
 def token_logprobs(model, ids, attn, act, temperature: float = 1.0, frozen=None):
     """log π(token p | prefix) at action positions (0 elsewhere) and the mean entropy there.
-
-    Logits at position p − 1 predict token p, so an action token's log-prob comes from the
-    previous position; the vocabulary projection runs only at those positions (memory).
-    """
+    Logits at p − 1 predict token p, so an action token's log-prob comes from the previous
+    position; the vocabulary projection runs only at those positions (memory)."""
     h = hidden_states(model, ids, attn, frozen)                                # (B, T, H)
     sel = act[:, 1:]                                                           # (B, T-1)
     lm_head = model.get_base_model().get_output_embeddings()
@@ -345,17 +282,12 @@ def token_values(model, value_head, ids, attn, frozen=None):
     return F.pad(v[:, :-1], (1, 0))                                            # (B, T)
 
 
-# ---------------------------------------------------------------------------------------------
-# Environment
-# ---------------------------------------------------------------------------------------------
-
+# --- Environment -------------------------------------------------------------------------------
 @dataclass
 class Suite:
-    """What the loop needs from a task family; a preset brings its own (presets.py).
-
-    make_env(task) returns an object with reset() -> chat messages and step(text) -> StepResult
-    (the interface of search_env.Environment). Tasks are grouped by identity for GRPO and pass@k.
-    """
+    """What the loop needs from a task family; a preset brings its own (presets.py). make_env(task)
+    returns an object with reset() -> chat messages and step(text) -> StepResult (the interface
+    of search_env.Environment). Tasks are grouped by identity for GRPO and pass@k."""
     train: list                          # training tasks
     val: list                            # validation tasks
     make_env: Callable                   # task -> Environment
@@ -408,10 +340,7 @@ def make_suite(cfg: Config) -> Suite:
     return preset.make_suite(cfg) if preset.make_suite else search_suite(cfg)
 
 
-# ---------------------------------------------------------------------------------------------
-# Rollout: batched multi-turn generation, sampled token ids kept exactly
-# ---------------------------------------------------------------------------------------------
-
+# --- Rollout: batched multi-turn generation, sampled token ids kept exactly --------------------
 @dataclass
 class Trajectory:
     ids: list[int]             # prompt, then assistant turns and observations, as token ids
@@ -440,11 +369,9 @@ def render_ids(tok, messages, enable_thinking: bool = False) -> list[int]:
 def observation_ids(tok, messages, observation: str, last_action_id: int,
                     enable_thinking: bool = False) -> list[int]:
     """Token ids between an assistant turn and the next: end of turn, the user message holding the
-    observation, and the assistant header, exactly as the chat template renders them.
-
-    Rendered around a placeholder for the assistant's text, so the sampled ids are never decoded
-    and re-encoded (that shifts token boundaries); only the template text after them is tokenised.
-    """
+    observation, and the assistant header, exactly as the chat template renders them. Rendered
+    around a placeholder for the assistant's text, so the sampled ids are never decoded and
+    re-encoded (that shifts token boundaries): only the template text after them is tokenised."""
     chat = messages + [{"role": "assistant", "content": PLACEHOLDER},
                        {"role": "user", "content": observation}]
     text = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False,
@@ -569,10 +496,7 @@ def score_batch(model, value_head, batch, cfg: Config) -> None:
         batch["ref_logp"] = torch.cat(ref_logp)
 
 
-# ---------------------------------------------------------------------------------------------
-# Advantages: everything algorithmic comes from mpo.py
-# ---------------------------------------------------------------------------------------------
-
+# --- Advantages: everything algorithmic comes from mpo.py --------------------------------------
 def compute_advantages(batch, cfg: Config) -> None:
     turn_ids, values, scores = batch["turn_ids"], batch["values"], batch["scores"]
     rewards = mpo.outcome_rewards(scores, turn_ids)               # (B, T): R(τ) on the last token
@@ -592,11 +516,7 @@ def ratio_level(cfg: Config) -> str:
     return levels.get(cfg.variant, "token")
 
 
-# ---------------------------------------------------------------------------------------------
-# Update: PPO epochs x minibatches x micro-batches; policy loss on the policy adapter,
-# value loss on the critic adapter and value head
-# ---------------------------------------------------------------------------------------------
-
+# --- Update: PPO epochs x minibatches; policy adapter, then critic adapter + value head --------
 def make_optimizer(model, value_head, cfg: Config):
     named = list(model.named_parameters())
     groups = [{"params": [p for n, p in named if ".policy." in n], "lr": cfg.lr_policy}]
@@ -660,178 +580,23 @@ def update(model, value_head, opt, batch, cfg: Config) -> dict[str, float]:
     return {name: total / n_minibatches for name, total in totals.items()}
 
 
-# ---------------------------------------------------------------------------------------------
-# Evaluation, logging, checkpoint
-# ---------------------------------------------------------------------------------------------
-
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k (Chen et al., 2021): 1 − C(n−c, k) / C(n, k), n samples, c correct."""
-    if not 0 <= c <= n or not 1 <= k <= n:
-        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
-    return 1.0 - math.comb(n - c, k) / math.comb(n, k) if n - c >= k else 1.0
-
-
-def pass_hat_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass^k: the chance that k samples (without replacement) all succeed,
-    C(c, k) / C(n, k)."""
-    if not 0 <= c <= n or not 1 <= k <= n:
-        raise ValueError(f"pass^k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
-    return math.comb(c, k) / math.comb(n, k)
-
-
-def episode_stats(trajs: list[Trajectory], n: int, prefix: str) -> dict[str, float]:
-    """pass@k and pass^k over each task's n episodes, and means over all episodes."""
-    groups: dict[int, list[Trajectory]] = {}
-    for t in trajs:
-        groups.setdefault(t.group, []).append(t)
-    correct = [sum(t.reward > 0 for t in g) for g in groups.values()]
-    out = {}
-    for k in range(1, n + 1):
-        out[f"{prefix}pass@{k}"] = float(np.mean([pass_at_k(n, c, k) for c in correct]))
-        if k > 1:
-            out[f"{prefix}pass^{k}"] = float(np.mean([pass_hat_k(n, c, k) for c in correct]))
-    n_tok = sum(sum(x >= 0 for x in t.turn_ids) for t in trajs)
-    out[prefix + "reward"] = float(np.mean([t.reward for t in trajs]))
-    out[prefix + "f1"] = float(np.mean([t.info.get("f1", 0.0) for t in trajs]))
-    out[prefix + "turns"] = float(np.mean([t.n_turns for t in trajs]))
-    out[prefix + "tokens_per_turn"] = float(n_tok / max(sum(t.n_turns for t in trajs), 1))
-    out[prefix + "format_error_rate"] = float(np.mean([bool(t.info.get("malformed"))
-                                                       for t in trajs]))
-    return out
-
-
+# --- Evaluation (logging, checkpoints: run_utils.py) -------------------------------------------
 def evaluate(model, tok, suite: Suite, cfg: Config) -> dict[str, float]:
     n = 1 if cfg.greedy_eval else cfg.eval_samples
     trajs = rollout(model, tok, suite, suite.val, cfg, n, greedy=cfg.greedy_eval)
     return episode_stats(trajs, n, "val/")
 
 
-def data_order(n: int, seed: int, epoch: int) -> list[int]:
-    """The question order of one pass over the training set: a function of (seed, epoch) only."""
-    return np.random.default_rng([seed, epoch]).permutation(n).tolist()
-
-
-CHECKPOINT_FILES = ("adapters/policy/adapter_model.safetensors",   # the files of one checkpoint
-                    "adapters/critic/adapter_model.safetensors", "value_head.safetensors",
-                    "trainer_state.pt", "state.json")
-
-
-def save_checkpoint(out: Path, model, value_head, opt, state: dict) -> Path:
-    """Write the checkpoint to a temporary folder, then rename: a crash never leaves half of one.
-    Adapters and value head as safetensors; optimiser and RNG states in one torch dict."""
-    from safetensors.torch import save_file
-    final = out / "checkpoints" / f"step_{state['step']:06d}"
-    tmp = final.with_name(final.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    model.save_pretrained(tmp / "adapters", selected_adapters=["policy", "critic"])
-    save_file(value_head.state_dict(), tmp / "value_head.safetensors")
-    torch.save({"optimizer": opt.state_dict(), "rng": rng_state()}, tmp / "trainer_state.pt")
-    (tmp / "state.json").write_text(json.dumps(state, indent=1))
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    (out / "checkpoints" / "latest.tmp").write_text(final.name)
-    os.replace(out / "checkpoints" / "latest.tmp", out / "checkpoints" / "latest")
-    return final
-
-
-def load_checkpoint(ckpt: Path, model, value_head, opt, restore_rng: bool = True) -> dict:
-    """Restore adapters, value head, optimiser and RNG states; refuse an incomplete checkpoint."""
-    from peft import set_peft_model_state_dict
-    from peft.utils import load_peft_weights
-    from safetensors.torch import load_file
-    missing = [p for p in CHECKPOINT_FILES if not (ckpt / p).exists()]
-    if missing:
-        raise ValueError(f"checkpoint {ckpt} is incomplete, missing: {', '.join(missing)}")
-    for name in ("policy", "critic"):
-        weights = load_peft_weights(str(ckpt / "adapters" / name))
-        set_peft_model_state_dict(model, weights, adapter_name=name)
-    value_head.load_state_dict(load_file(ckpt / "value_head.safetensors"))
-    trainer = torch.load(ckpt / "trainer_state.pt", weights_only=False)
-    if opt is not None:
-        opt.load_state_dict(trainer["optimizer"])
-    if restore_rng:
-        set_rng_state(trainer["rng"])
-    return json.loads((ckpt / "state.json").read_text())
-
-
-def latest_checkpoint(out: Path) -> Path | None:
-    pointer = out / "checkpoints" / "latest"
-    return out / "checkpoints" / pointer.read_text().strip() if pointer.exists() else None
-
-
-class StopFlag:
-    """SIGTERM / SIGINT (preemption, Ctrl-C) set a flag; the loop checkpoints and exits cleanly."""
-
-    def __init__(self):
-        self.stop = False
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame):
-        if self.stop:                   # a second Ctrl-C aborts at once
-            raise KeyboardInterrupt
-        print(f"\nsignal {signum}: finishing this step, then checkpointing", file=sys.stderr)
-        self.stop = True
-
-
-def eval_only(cfg: Config, model, value_head, tok, suite: Suite, out: Path) -> dict:
-    """Validate a checkpoint (or the untouched base model) and write out_dir/eval_<name>.json."""
-    if not cfg.checkpoint:
-        raise ValueError("--eval_only needs --checkpoint (a checkpoint, a run folder or 'base')")
-    if cfg.checkpoint == "base":
-        with model.disable_adapter():
-            row = evaluate(model, tok, suite, cfg)
-        name = "base"
-    else:
-        ckpt = Path(cfg.checkpoint)
-        if not (ckpt / "state.json").exists():          # a run folder: take its latest checkpoint
-            ckpt = latest_checkpoint(ckpt) or ckpt
-        if not ckpt.exists():
-            raise ValueError(f"--checkpoint {cfg.checkpoint}: no checkpoint found there")
-        load_checkpoint(ckpt, model, value_head, None, restore_rng=False)
-        row = evaluate(model, tok, suite, cfg)
-        name = ckpt.name
-    row = {"checkpoint": str(cfg.checkpoint), **row}
-    (out / f"eval_{name}.json").write_text(json.dumps(row, indent=1))
-    print(json.dumps(row, indent=1))
-    return row
-
-
-def log_line(row: dict, stats: dict) -> str:
-    """The one line printed per step."""
-    val = f"{row['val/pass@1']:.3f}" if "val/pass@1" in row else "  -  "
-    mem = f"{row['mem/peak_gb']:.1f} GB" if math.isfinite(row["mem/peak_gb"]) else "-"
-    return (f"step {row['step']:4d} | reward {row['train/reward']:.3f} | val pass@1 {val} "
-            f"| pi {stats.get('policy_loss', 0):+.4f} v {stats.get('value_loss', 0):.4f} "
-            f"| clip {stats.get('clip_frac', 0):.3f} | {row['time/step_s']:.1f} s/step "
-            f"{row['tokens_per_s']:.0f} tok/s | mem {mem}")
-
-
-# ---------------------------------------------------------------------------------------------
-# Main
-# ---------------------------------------------------------------------------------------------
-
+# --- Main: one iteration = rollout, advantages, update, evaluation / log / checkpoint ---------
 def main(argv=None) -> dict:
     try:
         cfg = parse_config(argv)
     except ValueError as e:             # a bad flag: one line naming it, no traceback
         raise SystemExit(f"train_min.py: {e}") from None
-    if cfg.preset == "default" and not torch.cuda.is_available() and cfg.device != "cpu":
-        print("No CUDA GPU found: the default run needs one (24 GB). On this machine run "
-              "`python train_min.py --preset tiny` for the CPU demo of the whole loop.",
-              file=sys.stderr)
-        raise SystemExit(2)
-    device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if cfg.cpu_threads:                 # tiny matmuls: thread hand-off costs more than it saves
-        torch.set_num_threads(cfg.cpu_threads)
+    device = setup_device(cfg)          # exits 2 with a hint when the default run finds no GPU
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     seed_everything(cfg.seed)
-    if cfg.memory_cap_gb and device.type == "cuda":      # allocations beyond the cap raise OOM
-        total = torch.cuda.get_device_properties(device).total_memory / 2**30
-        torch.cuda.set_per_process_memory_fraction(min(1.0, cfg.memory_cap_gb / total), device)
-
     suite = make_suite(cfg)
     preset = presets.PRESETS[cfg.preset]
     if preset.prepare_model:            # e.g. --preset tiny builds (or finds) its model folder
@@ -839,27 +604,14 @@ def main(argv=None) -> dict:
     tok, model, value_head = load_model(cfg, device)
     opt = make_optimizer(model, value_head, cfg)
     if cfg.eval_only:
-        return eval_only(cfg, model, value_head, tok, suite, out)
+        return eval_only(cfg.checkpoint, model, value_head,
+                         lambda: evaluate(model, tok, suite, cfg), out)
     (out / "config.json").write_text(json.dumps(asdict(cfg), indent=1))
-
-    step, metrics_path = 0, out / "metrics.jsonl"
-    ckpt = latest_checkpoint(out) if cfg.resume else None
-    if ckpt is not None:
-        step = load_checkpoint(ckpt, model, value_head, opt)["step"]
-        lines = metrics_path.read_text().splitlines() if metrics_path.exists() else []
-        kept = [line + "\n" for line in lines if json.loads(line)["step"] <= step]
-        metrics_path.write_text("".join(kept))
-        print(f"resumed from {ckpt} at step {step}")
-    elif metrics_path.exists():
-        metrics_path.unlink()
-    tb = None
-    if cfg.tensorboard:
-        from torch.utils.tensorboard import SummaryWriter   # needs `pip install tensorboard`
-        tb = SummaryWriter(str(out / "tb"))
+    step = resume(out, model, value_head, opt) if cfg.resume else 0
+    log = MetricsLog(out, step, cfg.tensorboard)     # metrics.jsonl: the rows up to `step`
     if step == 0 and cfg.eval_first:    # the starting point every later value is compared to
         row = {"step": 0, **evaluate(model, tok, suite, cfg)}
-        with metrics_path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
+        log.write(row, tensorboard=False)
         print(f"step    0 | val pass@1 {row['val/pass@1']:.3f} (before training)")
     from tqdm import tqdm
     stop, row = StopFlag(), {}
@@ -902,12 +654,7 @@ def main(argv=None) -> dict:
                 row.update({f"critic/{k}": v for k, v in structure.items()})
         if done % cfg.eval_every == 0 or done == cfg.steps:
             row.update(evaluate(model, tok, suite, cfg))
-        with metrics_path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
-        if tb is not None:
-            for k, v in row.items():
-                if isinstance(v, (int, float)) and k != "step" and math.isfinite(v):
-                    tb.add_scalar(k, v, done)
+        log.write(row)
         bar.write(log_line(row, stats))
         if done % cfg.save_every == 0 or done == cfg.steps or stop.stop:
             save_checkpoint(out, model, value_head, opt, {
@@ -917,10 +664,8 @@ def main(argv=None) -> dict:
             print(f"stopped at step {done}; resume with --resume", file=sys.stderr)
             break
     bar.close()
-    if tb is not None:
-        tb.close()
+    log.close()
     return row
-
 
 if __name__ == "__main__":
     main()

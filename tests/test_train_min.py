@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 import mpo
 import presets
+import run_utils
 import search_env
 import train_min
 from helpers import run_main
@@ -507,7 +508,7 @@ def test_malformed_turn_ends_episode_with_reward_zero(fresh, suite, cfg, monkeyp
 
 
 # ---------------------------------------------------------------------------------------------
-# pass@k and pass^k
+# pass@k and pass^k (run_utils.py)
 # ---------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("n,c,k,expected", [
@@ -515,14 +516,14 @@ def test_malformed_turn_ends_episode_with_reward_zero(fresh, suite, cfg, monkeyp
     (5, 2, 2, 0.7), (4, 3, 2, 1.0), (10, 1, 10, 1.0), (1, 1, 1, 1.0), (1, 0, 1, 0.0),
 ])
 def test_pass_at_k_hand_values(n, c, k, expected):
-    assert math.isclose(train_min.pass_at_k(n, c, k), expected, abs_tol=1e-12)
+    assert math.isclose(run_utils.pass_at_k(n, c, k), expected, abs_tol=1e-12)
 
 
 @pytest.mark.parametrize("n,c,k,expected", [
     (4, 2, 2, 1 / 6), (4, 4, 2, 1.0), (4, 1, 2, 0.0), (4, 3, 2, 0.5), (5, 3, 3, 0.1), (4, 2, 1, 0.5),
 ])
 def test_pass_hat_k_hand_values(n, c, k, expected):
-    assert math.isclose(train_min.pass_hat_k(n, c, k), expected, abs_tol=1e-12)
+    assert math.isclose(run_utils.pass_hat_k(n, c, k), expected, abs_tol=1e-12)
 
 
 def test_pass_at_k_and_pass_hat_k_equal_exact_expectation_over_all_subsets():
@@ -533,8 +534,8 @@ def test_pass_at_k_and_pass_hat_k_equal_exact_expectation_over_all_subsets():
                 subsets = list(itertools.combinations(outcomes, k))
                 any_ok = sum(any(s) for s in subsets) / len(subsets)
                 all_ok = sum(all(s) for s in subsets) / len(subsets)
-                assert math.isclose(train_min.pass_at_k(n, c, k), any_ok, abs_tol=1e-12), (n, c, k)
-                assert math.isclose(train_min.pass_hat_k(n, c, k), all_ok, abs_tol=1e-12), (n, c, k)
+                assert math.isclose(run_utils.pass_at_k(n, c, k), any_ok, abs_tol=1e-12), (n, c, k)
+                assert math.isclose(run_utils.pass_hat_k(n, c, k), all_ok, abs_tol=1e-12), (n, c, k)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -691,7 +692,7 @@ def test_sigterm_mid_run_checkpoints_and_the_resumed_run_matches_an_uninterrupte
     def update_then_preempt(*a, **k):
         calls.append(1)
         if len(calls) == 2:
-            os.kill(os.getpid(), signal.SIGTERM)     # delivered to StopFlag's handler right here
+            os.kill(os.getpid(), signal.SIGTERM)     # delivered to run_utils.StopFlag's handler here
         return real_update(*a, **k)
 
     monkeypatch.setattr(train_min, "update", update_then_preempt)
