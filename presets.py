@@ -1,6 +1,6 @@
 """The presets of train_min.py: CPU-sized runs of the same loop, and the scaffolding they need that
 the paper's run does not (a tiny Qwen2 built on the spot, its supervised warm start, the
-credit-assignment testbed of testbed_env.py).
+credit-assignment testbed of experiments/testbed_env.py, SmolLM2's conversion and warm start).
 
     python train_min.py --preset smol       # a real pretrained LLM (SmolLM2-135M-Instruct) on CPU
     python train_min.py --preset tiny       # the whole loop on CPU with a tiny random Qwen2
@@ -321,7 +321,7 @@ SMOL = dict(
 
 
 # ---------------------------------------------------------------------------------------------
-# testbed (testbed_env.py, docs/testbed.md): a random tiny model learns the task from scratch
+# testbed (experiments/testbed_env.py, docs/testbed.md): a random tiny model learns it from scratch
 # ---------------------------------------------------------------------------------------------
 
 def flag(default, help: str):
@@ -355,8 +355,8 @@ TESTBED = dict(
 
 
 def testbed_suite(cfg):
-    """testbed_env.py's tasks; sets the turn budget the task fixes: K turns of L tokens (K*L
-    one-token turns when streaming)."""
+    """experiments/testbed_env.py's tasks; sets the turn budget the task fixes: K turns of L
+    tokens (K*L one-token turns when streaming)."""
     from experiments import testbed_env
     from train_min import Suite
     o = TestbedOptions(**cfg.preset_options)
