@@ -367,19 +367,41 @@ def last(rows: list[dict], key: str) -> float | None:
     return vals[-1] if vals else None
 
 
+def start_value(run: dict, runs: list[dict]) -> float | None:
+    """Validation pass@1 before any update (the step-0 row of --eval_first). A run without one
+    takes it from a run of the same seed and preset that has one: greedy validation of the same
+    warm-started model, so it is the same number (the smol study measures it once per seed)."""
+    def own(r):
+        return next((row["val/pass@1"] for row in r["rows"]
+                     if row["step"] == 0 and "val/pass@1" in row), None)
+    if own(run) is not None:
+        return own(run)
+    key = (run["config"]["seed"], run["config"]["preset"])
+    same = [r for r in runs if (r["config"]["seed"], r["config"]["preset"]) == key]
+    return next((own(r) for r in same if own(r) is not None), None)
+
+
 def compare_table(runs: list[dict]) -> str:
     """Markdown: one row per setting, mean ± std over its seeds (percent)."""
     groups: dict[str, list[dict]] = {}
     for r in runs:
         groups.setdefault(setting_of(r["config"]), []).append(r)
+    starts = {id(r): start_value(r, runs) for r in runs}
     ks = sorted({int(k.split("@")[1]) for r in runs for row in r["rows"] for k in row
                  if k.startswith("val/pass@")})
-    head = ["setting", "seeds", "steps", *[f"val pass@{k}" for k in ks], "best val pass@1",
-            "train reward (last)", "wall time"]
+    with_start = any(v is not None for v in starts.values())
+    head = ["setting", "seeds", "steps", *(["val pass@1 at step 0"] if with_start else []),
+            *[f"val pass@{k}" for k in ks], *(["gain (pass@1)"] if with_start else []),
+            "best val pass@1", "train reward (last)", "wall time"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name, rs in groups.items():
         cells = [name, str(len(rs)), "/".join(sorted({str(r["rows"][-1]["step"]) for r in rs}))]
+        if with_start:
+            cells.append(mean_std([starts[id(r)] for r in rs]))
         cells += [mean_std([last(r["rows"], f"val/pass@{k}") for r in rs]) for k in ks]
+        if with_start:
+            cells.append(mean_std([last(r["rows"], "val/pass@1") - starts[id(r)] for r in rs
+                                   if starts[id(r)] is not None]))
         cells.append(mean_std([max((row["val/pass@1"] for row in r["rows"] if "val/pass@1" in row),
                                    default=None) for r in rs]))
         cells.append(mean_std([last(r["rows"], "train/reward") for r in rs]))
@@ -387,7 +409,30 @@ def compare_table(runs: list[dict]) -> str:
         cells.append(f"{statistics.mean(wall) / 60:.1f} min")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + ("\n\nNumbers in percent; mean ± sample std over seeds; val pass@k "
-                               "at the last evaluation.\n")
+                               "at the last evaluation; gain = last − step 0, per run.\n"
+                               + paired_differences(runs))
+
+
+def paired_differences(runs: list[dict]) -> str:
+    """Each setting minus A (MPO) in last validation pass@1, paired by seed (same warm-started
+    model, same questions): the per-seed differences, their mean ± SE and t = mean / SE."""
+    ref = {r["config"]["seed"]: r for r in runs if r["config"]["variant"] == "mpo"}
+    groups: dict[str, list[dict]] = {}
+    for r in runs:
+        if r["config"]["variant"] != "mpo" and r["config"]["seed"] in ref:
+            groups.setdefault(setting_of(r["config"]), []).append(r)
+    lines = ["| setting minus A: MPO | seeds | per-seed Δ val pass@1 | mean ± SE | t |",
+             "|---|---|---|---|---|"]
+    for name, rs in groups.items():
+        d = [100 * (last(r["rows"], "val/pass@1") - last(ref[r["config"]["seed"]]["rows"],
+                                                          "val/pass@1"))
+             for r in sorted(rs, key=lambda r: r["config"]["seed"])]
+        se = statistics.stdev(d) / math.sqrt(len(d)) if len(d) > 1 else float("nan")
+        t = f"{statistics.mean(d) / se:+.1f}" if se > 0 else "–"
+        lines.append(f"| {name} | {len(d)} | " + ", ".join(f"{x:+.1f}" for x in d)
+                     + f" | {statistics.mean(d):+.1f} ± {se:.1f} | {t} |")
+    return ("\nPaired by seed (percentage points):\n\n" + "\n".join(lines) + "\n"
+            if len(lines) > 2 else "")
 
 
 def compare_plots(runs: list[dict], out: Path) -> list[Path]:

@@ -136,7 +136,8 @@ def four_runs(tiny_model, tmp_path_factory) -> list[Path]:
 
 def test_compare_writes_a_mean_std_table_and_plots_from_real_runs(four_runs, tmp_path):
     md = grid.compare(four_runs, tmp_path / "report")
-    rows = [line for line in md.splitlines() if line.startswith(("| A: MPO", "| C: MPO"))]
+    main_table = md.split("Paired by seed")[0]
+    rows = [line for line in main_table.splitlines() if line.startswith(("| A: MPO", "| C: MPO"))]
     assert len(rows) == 2                                     # one row per setting, seeds pooled
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]
@@ -204,3 +205,27 @@ def test_testbed_study_end_to_end_writes_markers_critic_structure_table_and_plot
     table = (out / "table.md").read_text()
     (out / "table.md").unlink()
     assert grid.main(["testbed", "--report_only", "--out", str(out)]) == table
+
+
+def fake_run(variant: str, seed: int, vals: dict[int, float]) -> dict:
+    """A run dict as load_run returns it: validation pass@1 at the given steps."""
+    cfg = {"variant": variant, "seed": seed, "preset": "smol", "lam": 0.8, "lam_intra": 0.95,
+           "beta": 0.0 if variant == "mpo_beta0" else 1.0}
+    rows = [{"step": s, "val/pass@1": v, "train/reward": 0.1, "time/step_s": 60.0}
+            for s, v in sorted(vals.items())]
+    return {"path": Path(f"{variant}-s{seed}"), "config": cfg, "rows": rows}
+
+
+def test_compare_table_reports_start_gain_and_paired_differences_by_seed():
+    """The step-0 value of the mpo run of a seed is the start of every run of that seed; the
+    paired table subtracts A's last value of the same seed."""
+    runs = [fake_run("mpo", 0, {0: 0.30, 10: 0.50}), fake_run("mpo", 1, {0: 0.20, 10: 0.30}),
+            fake_run("mpo_beta0", 0, {10: 0.40}), fake_run("mpo_beta0", 1, {10: 0.40})]
+    md = grid.compare_table(runs)
+    a_row = next(line for line in md.splitlines() if line.startswith("| A: MPO"))
+    c_row = next(line for line in md.splitlines() if line.startswith("| C: MPO β=0"))
+    assert "| 25.0 ± 7.1 | 40.0 ± 14.1 | 15.0 ± 7.1 |" in a_row      # start, last, gain
+    assert "| 25.0 ± 7.1 | 40.0 ± 0.0 | 15.0 ± 7.1 |" in c_row        # gains 10 and 20
+    paired = next(line for line in md.split("Paired by seed")[1].splitlines()
+                  if line.startswith("| C: MPO β=0"))
+    assert "| 2 | -10.0, +10.0 | +0.0 ± 10.0 |" in paired
