@@ -1,7 +1,8 @@
 """The run infrastructure of train_min.py, none of it the algorithm: command-line parsing with
-presets, device set-up, a bitsandbytes workaround, data order, seeding and RNG states, checkpoints
-(save, load, the `latest` pointer), resuming, metrics.jsonl (and TensorBoard), the SIGTERM /
-SIGINT stop flag, pass@k and pass^k, evaluation-only runs and the per-step log line.
+presets, device set-up, a bitsandbytes workaround, tokenizer loading, data order, seeding and RNG
+states, checkpoints (save, load, the `latest` pointer), resuming, metrics.jsonl (and
+TensorBoard), the SIGTERM / SIGINT stop flag, a step's metrics and its log line, pass@k and
+pass^k, evaluation-only runs.
 
 A checkpoint is one folder, out_dir/checkpoints/step_NNNNNN/, holding CHECKPOINT_FILES: the two
 LoRA adapters and the value head (safetensors), the optimiser and RNG states (trainer_state.pt)
@@ -16,6 +17,7 @@ import random
 import shutil
 import signal
 import sys
+import time
 from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Callable
@@ -77,6 +79,20 @@ def cpu_4bit_workaround(model) -> None:
     for m in model.modules():
         if isinstance(m, bnb.nn.Linear4bit):
             m.support_avx512bf16_for_cpu = False
+
+
+def load_tokenizer(path: str):
+    """The tokenizer at `path`, left-padded for batched generation (pad = eos if it has none). A
+    model built by presets.py loads its tokenizer exactly as saved: transformers maps any qwen2
+    checkpoint to Qwen2Tokenizer, whose pre-tokenisation differs from the one it was built with."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    import presets
+    as_saved = (Path(path) / presets.TINY_MARKER).exists()
+    tok = (PreTrainedTokenizerFast if as_saved else AutoTokenizer).from_pretrained(
+        path, padding_side="left")
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
 
 
 # --- seeding, RNG states and checkpoints -------------------------------------------------------
@@ -207,6 +223,30 @@ class StopFlag:
             raise KeyboardInterrupt
         print(f"\nsignal {signum}: finishing this step, then checkpointing", file=sys.stderr)
         self.stop = True
+
+
+def start_step(device: torch.device) -> float:
+    """The clock at the start of a step (time.perf_counter); on a GPU, also restart the peak
+    memory count that step_metrics reads."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    return time.perf_counter()
+
+
+def step_metrics(step: int, trajs: list, n: int, batch: dict, stats: dict, t_rollout: float,
+                 t_step: float, device: torch.device) -> dict[str, float]:
+    """The metrics row of training step `step`: statistics of its n episodes per question
+    (train/), the update's means (loss/), the advantages over action tokens (adv/), wall times
+    (time/), rollout tokens per second and the step's peak GPU memory (mem/peak_gb; CPU: nan)."""
+    act = batch["turn_ids"] >= 0
+    adv = batch["advantages"][act]
+    return {"step": step, **episode_stats(trajs, n, "train/"),
+            **{f"loss/{k}": v for k, v in stats.items()},
+            "adv/mean": float(adv.mean()), "adv/std": float(adv.std()),
+            "time/rollout_s": t_rollout, "time/update_s": t_step - t_rollout,
+            "time/step_s": t_step, "tokens_per_s": float(act.sum()) / t_rollout,
+            "mem/peak_gb": (torch.cuda.max_memory_allocated() / 2**30
+                            if device.type == "cuda" else float("nan"))}
 
 
 def log_line(row: dict, stats: dict) -> str:

@@ -17,6 +17,8 @@ gives one that runs anywhere:
    turn (reward 0);
 5. a HotpotQA loader (``load_hotpotqa``) that builds the same kind of ``Split`` from real data;
 6. scripted agents (``oracle_policy``, ``reading_oracle``, ``random_query_policy``) for tests.
+7. a trainer's task in four calls (``make_splits``, ``env_factory``, ``scripted_episodes``,
+   ``tokenizer_corpus``): the splits, an environment per question, warm-start episodes.
 
 The environment interface
 -------------------------
@@ -684,3 +686,46 @@ def random_query_policy(rng: random.Random, words: Sequence[str], answers: Seque
         return f"<answer>{rng.choice(answers)}</answer>"
 
     return policy
+
+
+# --------------------------------------------------------------------------------------------
+# A trainer's task: splits, environments, warm-start episodes, tokenizer text
+# --------------------------------------------------------------------------------------------
+
+def make_splits(dataset: str, n_train: int, n_val: int, min_hops: int = 2, max_hops: int = 4,
+                seed: int = 0, hotpotqa_path: str = "",
+                kb_sizes: dict[str, int] | None = None) -> tuple[Split, Split]:
+    """Training and validation splits: "synthetic" (``make_dataset``: two disjoint knowledge bases
+    of ``kb_sizes``, default ``make_knowledge_base``'s) or "hotpotqa" (the hub's train and
+    validation splits; with ``hotpotqa_path`` one local file: n_train records, then n_val)."""
+    if dataset == "hotpotqa" and hotpotqa_path:
+        return (load_hotpotqa("train", n=n_train, path=hotpotqa_path),
+                load_hotpotqa("validation", n=n_val, path=hotpotqa_path, skip=n_train))
+    if dataset == "hotpotqa":
+        return load_hotpotqa("train", n=n_train), load_hotpotqa("validation", n=n_val)
+    if dataset == "synthetic":
+        return make_dataset(n_train, n_val, min_hops, max_hops, seed=seed, **(kb_sizes or {}))
+    raise ValueError(f"dataset must be 'synthetic' or 'hotpotqa', got {dataset!r}")
+
+
+def env_factory(splits: Sequence[Split], top_k: int = 3, max_turns: int = 5,
+                system_prompt: str = SYSTEM_PROMPT) -> Callable[[Question], SearchEnv]:
+    """question -> a ``SearchEnv`` searching its own split's corpus (``question.corpus_id``, one
+    BM25 index per split), so validation never sees training documents."""
+    index = {split.name: BM25Search(split.docs, k=top_k) for split in splits}
+    return lambda q: SearchEnv(index[q.corpus_id], q, max_turns, system_prompt)
+
+
+def scripted_episodes(split: Split, make_env: Callable[[Question], SearchEnv], n: int = 100,
+                      min_hops: int = 2, max_hops: int = 4, seed: int = 0) -> list[list[Message]]:
+    """Chat episodes for a supervised warm start: ``n`` new questions on a synthetic ``split``'s
+    knowledge base, each played by ``reading_oracle`` in ``make_env(question)``."""
+    questions = make_questions(split.kb, n, min_hops, max_hops, seed=seed, corpus_id=split.name)
+    return [run_episode(make_env(q), reading_oracle(q)).messages for q in questions]
+
+
+def tokenizer_corpus(splits: Sequence[Split], system_prompt: str = SYSTEM_PROMPT) -> list[str]:
+    """Every text a model built for the task must tokenise well: all documents, the system
+    prompt, all questions (in that order)."""
+    return ([doc for split in splits for doc in split.docs] + [system_prompt]
+            + [q.question for split in splits for q in split.questions])

@@ -20,13 +20,12 @@ tiny model's build and warm start included) and 10 s once cached; `--preset test
 task in 60 updates (docs/testbed.md). GPU peak memory and seconds per step of the default run are
 NOT measured yet (no GPU so far; docs/reproduction.md says when they are).
 
-Sections, in run order: config → model → environment → rollout → advantages → update →
-evaluation → main (one iteration). Algorithm lines carry a `# MPO:` tag. The presets (the tiny
-model, its warm start, the testbed task) live in presets.py; checkpoints, resuming, metrics.jsonl,
-pass@k, seeding and the other run infrastructure in run_utils.py.
+Sections follow the run order; algorithm lines carry a `# MPO:` tag. Presets live in presets.py,
+the search task's data in search_env.py, checkpoints, metrics and pass@k in run_utils.py.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 import time
@@ -37,16 +36,16 @@ from typing import Callable
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import mpo
 import presets
 import search_env
 from run_utils import (MetricsLog, StopFlag, cpu_4bit_workaround, data_order, episode_stats,
-                       eval_only, log_line, parse_with_presets, resume, save_checkpoint,
-                       seed_everything, setup_device)
+                       eval_only, load_tokenizer, log_line, parse_with_presets, resume,
+                       save_checkpoint, seed_everything, setup_device, start_step, step_metrics)
 
 VARIANTS = ("mpo", "mpo_token_is", "mpo_beta0", "ppo", "grpo", "gspo")
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 # --- Config ------------------------------------------------------------------------------------
@@ -119,18 +118,13 @@ class Config:
     device: str = arg("", "cuda | cpu (default: cuda if available)")
     cpu_threads: int = arg(0, "torch CPU threads (0: torch's default); tiny models: 1 is fastest")
     memory_cap_gb: float = arg(0.0, "cap GPU memory, e.g. 24 to check the budget on a larger GPU")
-    # not a flag: parse_config fills it from the preset's own flags (Preset.options, presets.py)
-    preset_options: dict = field(default_factory=dict, init=False)
+    preset_options: dict = field(default_factory=dict, init=False)   # not a flag: Preset.options
 
     def __post_init__(self):
-        if self.variant not in VARIANTS:
-            raise ValueError(f"--variant must be one of {VARIANTS}, got {self.variant!r}")
-        if self.preset not in presets.PRESETS:
-            raise ValueError(f"--preset must be one of {tuple(presets.PRESETS)}, "
-                             f"got {self.preset!r}")
-        if self.dataset not in ("synthetic", "hotpotqa", "testbed"):
-            raise ValueError("--dataset must be 'synthetic', 'hotpotqa' or 'testbed', "
-                             f"got {self.dataset!r}")
+        for flag, allowed in (("variant", VARIANTS), ("preset", tuple(presets.PRESETS)),
+                              ("dataset", ("synthetic", "hotpotqa", "testbed"))):
+            if getattr(self, flag) not in allowed:
+                raise ValueError(f"--{flag} must be one of {allowed}, got {getattr(self, flag)!r}")
         if self.variant == "mpo_beta0":
             self.beta = 0.0
         if not self.out_dir:
@@ -161,29 +155,16 @@ class ValueHead(nn.Module):
         return self.linear(h.float()).squeeze(-1)                              # (B, T)
 
 
-LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
 def load_model(cfg: Config, device: torch.device):
     """Tokenizer, the PEFT model (frozen base + "policy" and "critic" adapters), the value head."""
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
-    from transformers import (AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig,
-                              PreTrainedTokenizerFast)
-    # transformers maps any qwen2 checkpoint to Qwen2Tokenizer, whose pre-tokenisation differs from
-    # the tokenizer a tiny model was built and warm-started with: load ours exactly as saved.
-    as_saved = (Path(cfg.model) / presets.TINY_MARKER).exists()
-    tok = (PreTrainedTokenizerFast if as_saved else AutoTokenizer).from_pretrained(
-        cfg.model, padding_side="left")
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+    tok = load_tokenizer(cfg.model)     # run_utils: left-padded; a built model's as it was saved
     compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     kwargs = {"dtype": compute_dtype}
     if cfg.load_in_4bit:
-        try:
-            import bitsandbytes  # noqa: F401
-        except ImportError as e:
-            raise SystemExit("--load_in_4bit needs bitsandbytes: "
-                             "pip install -r requirements.txt") from e
+        if importlib.util.find_spec("bitsandbytes") is None:
+            raise SystemExit("--load_in_4bit needs bitsandbytes: pip install -r requirements.txt")
         kwargs["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
             bnb_4bit_compute_dtype=compute_dtype)
@@ -228,8 +209,7 @@ def decoder_layers(model, lo: int, hi: int):
     decoder = model.get_base_model().get_decoder()
     layers, norm = decoder.layers, decoder.norm
     decoder.layers = nn.ModuleList(list(layers)[lo:hi])
-    if hi < len(layers):
-        decoder.norm = nn.Identity()
+    decoder.norm = norm if hi == len(layers) else nn.Identity()
     try:
         yield decoder
     finally:
@@ -279,15 +259,14 @@ def token_logprobs(model, ids, attn, act, temperature: float = 1.0, frozen=None)
 def token_values(model, value_head, ids, attn, frozen=None):
     """V_{t,i}: the critic's value of the prefix *before* token p, read at position p − 1."""
     v = value_head(hidden_states(model, ids, attn, frozen))                    # (B, T)
-    return F.pad(v[:, :-1], (1, 0))                                            # (B, T)
+    return nn.functional.pad(v[:, :-1], (1, 0))                                # (B, T)
 
 
 # --- Environment -------------------------------------------------------------------------------
 @dataclass
 class Suite:
-    """What the loop needs from a task family; a preset brings its own (presets.py). make_env(task)
-    returns an object with reset() -> chat messages and step(text) -> StepResult (the interface
-    of search_env.Environment). Tasks are grouped by identity for GRPO and pass@k."""
+    """What the loop needs from a task family (a preset brings its own): make_env(task) returns a
+    search_env.Environment (reset, step). Tasks are grouped by identity for GRPO and pass@k."""
     train: list                          # training tasks
     val: list                            # validation tasks
     make_env: Callable                   # task -> Environment
@@ -300,44 +279,21 @@ class Suite:
 def search_suite(cfg: Config, kb_sizes: dict | None = None,
                  system_prompt: str = search_env.SYSTEM_PROMPT) -> Suite:
     """The search agent of §10: synthetic multi-hop questions (knowledge base sizes `kb_sizes`,
-    default search_env's) or HotpotQA, under `system_prompt`."""
-    if cfg.dataset == "hotpotqa" and cfg.hotpotqa_path:   # one local file: n_train, then n_val
-        train = search_env.load_hotpotqa("train", n=cfg.n_train, path=cfg.hotpotqa_path)
-        val = search_env.load_hotpotqa("validation", n=cfg.n_val, path=cfg.hotpotqa_path,
-                                       skip=cfg.n_train)
-    elif cfg.dataset == "hotpotqa":                       # the hub's train and validation splits
-        train = search_env.load_hotpotqa("train", n=cfg.n_train)
-        val = search_env.load_hotpotqa("validation", n=cfg.n_val)
-    elif cfg.dataset == "synthetic":
-        train, val = search_env.make_dataset(cfg.n_train, cfg.n_val, cfg.min_hops, cfg.max_hops,
-                                             seed=cfg.seed, **(kb_sizes or {}))
-    else:
+    default search_env's; with warm-start episodes) or HotpotQA, under `system_prompt`."""
+    if cfg.dataset not in ("synthetic", "hotpotqa"):
         raise ValueError(f"--dataset {cfg.dataset} is a preset's task: use --preset {cfg.dataset}")
-    # Each question is searched in its own split's corpus: validation never sees training documents.
-    index = {split.name: search_env.BM25Search(split.docs, k=cfg.top_k) for split in (train, val)}
-    by_question = {id(q): index[split.name] for split in (train, val) for q in split.questions}
-
-    def make_env(q):
-        return search_env.SearchEnv(by_question[id(q)], q, cfg.max_turns, system_prompt)
-
-    def warm_start():                    # scripted episodes on the *training* knowledge base only
-        qs = search_env.make_questions(train.kb, 100, cfg.min_hops, cfg.max_hops, seed=cfg.seed,
-                                       corpus_id=train.name)
-        envs = [search_env.SearchEnv(index[train.name], q, cfg.max_turns, system_prompt)
-                for q in qs]
-        return [search_env.run_episode(env, search_env.reading_oracle(q)).messages
-                for env, q in zip(envs, qs)]
-
-    corpus = (train.docs + val.docs + [system_prompt]
-              + [q.question for q in train.questions + val.questions])
-    return Suite(train.questions, val.questions, make_env, ("</search>", "</answer>"), corpus,
-                 warm_start if train.kb is not None else None)
+    train, val = search_env.make_splits(cfg.dataset, cfg.n_train, cfg.n_val, cfg.min_hops,
+                                        cfg.max_hops, cfg.seed, cfg.hotpotqa_path, kb_sizes)
+    make_env = search_env.env_factory((train, val), cfg.top_k, cfg.max_turns, system_prompt)
+    warm_start = None if train.kb is None else lambda: search_env.scripted_episodes(
+        train, make_env, 100, cfg.min_hops, cfg.max_hops, seed=cfg.seed)
+    return Suite(train.questions, val.questions, make_env, ("</search>", "</answer>"),
+                 search_env.tokenizer_corpus((train, val), system_prompt), warm_start)
 
 
 def make_suite(cfg: Config) -> Suite:
     """The task of cfg.preset (presets.py), by default the search agent of §10."""
-    preset = presets.PRESETS[cfg.preset]
-    return preset.make_suite(cfg) if preset.make_suite else search_suite(cfg)
+    return (presets.PRESETS[cfg.preset].make_suite or search_suite)(cfg)
 
 
 # --- Rollout: batched multi-turn generation, sampled token ids kept exactly --------------------
@@ -357,9 +313,6 @@ class Trajectory:
         return max(self.turn_ids) + 1 if self.turn_ids else 0
 
 
-PLACEHOLDER = "\ue000MPO\ue000"
-
-
 def render_ids(tok, messages, enable_thinking: bool = False) -> list[int]:
     """The prompt's token ids through the chat template, ending with the assistant header."""
     return list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
@@ -372,11 +325,12 @@ def observation_ids(tok, messages, observation: str, last_action_id: int,
     observation, and the assistant header, exactly as the chat template renders them. Rendered
     around a placeholder for the assistant's text, so the sampled ids are never decoded and
     re-encoded (that shifts token boundaries): only the template text after them is tokenised."""
-    chat = messages + [{"role": "assistant", "content": PLACEHOLDER},
+    placeholder = "\ue000MPO\ue000"      # private-use characters: in no chat template
+    chat = messages + [{"role": "assistant", "content": placeholder},
                        {"role": "user", "content": observation}]
     text = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False,
                                    enable_thinking=enable_thinking)
-    ids = tok(text.split(PLACEHOLDER)[-1], add_special_tokens=False).input_ids
+    ids = tok(text.split(placeholder)[-1], add_special_tokens=False).input_ids
     if ids and ids[0] == last_action_id:   # the model already emitted the end-of-turn token
         ids = ids[1:]
     return ids
@@ -400,19 +354,13 @@ def generate_turns(model, tok, prompts: list[list[int]], cfg: Config, greedy: bo
         chunk = prompts[s:s + cfg.rollout_batch_size]
         width = max(map(len, chunk))
         pads = [width - len(p) for p in chunk]
-        ids = torch.tensor([[tok.pad_token_id] * n + p for n, p in zip(pads, chunk)],
-                           device=model.device)
-        attn = torch.tensor([[0] * n + [1] * len(p) for n, p in zip(pads, chunk)],
-                            device=model.device)
-        out = model.generate(input_ids=ids, attention_mask=attn, generation_config=gen,
-                             **({"tokenizer": tok} if stop_strings else {}))
-        for row in out[:, width:].tolist():
-            turn = []
-            for t in row:               # keep ids up to and including the first stop token
-                turn.append(t)
-                if t in stop_ids:
-                    break
-            out_turns.append(turn)
+        ids = torch.tensor([[tok.pad_token_id] * n + p for n, p in zip(pads, chunk)])  # left pad
+        attn = torch.tensor([[0] * n + [1] * len(p) for n, p in zip(pads, chunk)])
+        out = model.generate(input_ids=ids.to(model.device), attention_mask=attn.to(model.device),
+                             generation_config=gen, **({"tokenizer": tok} if stop_strings else {}))
+        for row in out[:, width:].tolist():     # ids up to and including the first stop id
+            end = next((i + 1 for i, t in enumerate(row) if t in stop_ids), len(row))
+            out_turns.append(row[:end])
     return out_turns
 
 
@@ -436,8 +384,7 @@ def rollout(model, tok, suite: Suite, tasks: list, cfg: Config, n: int,
         live = [t for t in trajs if not t.done]
         if not live:
             break
-        actions = generate_turns(model, tok, [t.ids for t in live], cfg, greedy,
-                                 suite.stop_strings)
+        actions = generate_turns(model, tok, [t.ids for t in live], cfg, greedy, suite.stop_strings)
         for t, action in zip(live, actions):
             t.ids += action                                         # sampled ids, kept exactly
             t.turn_ids += [turn] * len(action)
@@ -457,15 +404,12 @@ def rollout(model, tok, suite: Suite, tasks: list, cfg: Config, n: int,
 
 def collate(trajs: list[Trajectory], pad_id: int, device) -> dict[str, torch.Tensor]:
     """Right-pad trajectories into (B, T) tensors."""
-    T = max(len(t.ids) for t in trajs)
-    ids = torch.full((len(trajs), T), pad_id, dtype=torch.long)
-    turn_ids = torch.full((len(trajs), T), -1, dtype=torch.long)
-    attn = torch.zeros((len(trajs), T), dtype=torch.long)
-    for b, t in enumerate(trajs):
-        ids[b, :len(t.ids)] = torch.tensor(t.ids)
-        turn_ids[b, :len(t.ids)] = torch.tensor(t.turn_ids)
-        attn[b, :len(t.ids)] = 1
-    return {"ids": ids.to(device), "attn": attn.to(device), "turn_ids": turn_ids.to(device),
+    def pad(rows: list[list[int]], value: int) -> torch.Tensor:                   # (B, T)
+        rows = [torch.tensor(row, dtype=torch.long) for row in rows]
+        return nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=value).to(device)
+    return {"ids": pad([t.ids for t in trajs], pad_id),
+            "attn": pad([[1] * len(t.ids) for t in trajs], 0),
+            "turn_ids": pad([t.turn_ids for t in trajs], -1),
             "scores": torch.tensor([t.reward for t in trajs], device=device),
             "groups": torch.tensor([t.group for t in trajs], device=device)}
 
@@ -511,9 +455,8 @@ def compute_advantages(batch, cfg: Config) -> None:
     batch["advantages"], batch["returns"] = adv, ret                 # (B, T), (B, T)
 
 
-def ratio_level(cfg: Config) -> str:
-    levels = {"mpo": "turn", "mpo_beta0": "turn", "gspo": "sequence"}   # MPO: turn ratio
-    return levels.get(cfg.variant, "token")
+def ratio_level(cfg: Config) -> str:                                          # MPO: turn ratio
+    return {"mpo": "turn", "mpo_beta0": "turn", "gspo": "sequence"}.get(cfg.variant, "token")
 
 
 # --- Update: PPO epochs x minibatches; policy adapter, then critic adapter + value head --------
@@ -526,16 +469,13 @@ def make_optimizer(model, value_head, cfg: Config):
     return torch.optim.AdamW(groups, weight_decay=0.0)
 
 
-LOSS_KEYS = ("policy_loss", "value_loss", "kl_base")   # already token means over the minibatch
-
-
 def update(model, value_head, opt, batch, cfg: Config) -> dict[str, float]:
     """PPO-style epochs over the batch; returns each statistic's mean over the minibatches."""
     model.train()
     act = batch["turn_ids"] >= 0
-    gspo = cfg.variant == "gspo"
-    eps = cfg.gspo_clip_low if gspo else cfg.clip_eps
-    eps_high = cfg.gspo_clip_high if gspo else cfg.clip_eps_high
+    eps, eps_high = ((cfg.gspo_clip_low, cfg.gspo_clip_high) if cfg.variant == "gspo"
+                     else (cfg.clip_eps, cfg.clip_eps_high))     # GSPO clips a sequence ratio
+    loss_keys = ("policy_loss", "value_loss", "kl_base")   # already minibatch token means
     totals, n_minibatches = {}, 0
     params = [p for g in opt.param_groups for p in g["params"]]
     for _ in range(cfg.ppo_epochs):
@@ -543,8 +483,7 @@ def update(model, value_head, opt, batch, cfg: Config) -> dict[str, float]:
             n_tok = act[mb].sum()                   # one token mean over the whole minibatch
             opt.zero_grad(set_to_none=True)
             for micro in mb.split(cfg.micro_batch_size):
-                ids, attn = batch["ids"][micro], batch["attn"][micro]
-                tid = batch["turn_ids"][micro]
+                ids, attn, tid = batch["ids"][micro], batch["attn"][micro], batch["turn_ids"][micro]
                 h = batch["frozen"][micro] if batch["frozen"] is not None else None
                 use_adapter(model, "policy")
                 logp, entropy = token_logprobs(model, ids, attn, tid >= 0, cfg.temperature, h)
@@ -571,7 +510,7 @@ def update(model, value_head, opt, batch, cfg: Config) -> dict[str, float]:
                 # per-micro-batch means (clip fraction, entropy) count by their share of tokens
                 token_share = float((tid >= 0).sum()) / max(float(n_tok), 1.0)
                 for name, value in stats.items():
-                    weight = 1.0 if name in LOSS_KEYS else token_share
+                    weight = 1.0 if name in loss_keys else token_share
                     totals[name] = totals.get(name, 0.0) + float(value) * weight
             grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
             opt.step()
@@ -598,9 +537,8 @@ def main(argv=None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     seed_everything(cfg.seed)
     suite = make_suite(cfg)
-    preset = presets.PRESETS[cfg.preset]
-    if preset.prepare_model:            # e.g. --preset tiny builds (or finds) its model folder
-        cfg.model = preset.prepare_model(cfg, suite)
+    if prepare := presets.PRESETS[cfg.preset].prepare_model:    # e.g. tiny builds its model folder
+        cfg.model = prepare(cfg, suite)
     tok, model, value_head = load_model(cfg, device)
     opt = make_optimizer(model, value_head, cfg)
     if cfg.eval_only:
@@ -618,9 +556,7 @@ def main(argv=None) -> dict:
     bar = tqdm(range(step, cfg.steps), initial=step, total=cfg.steps, desc=cfg.variant,
                dynamic_ncols=True)
     for step in bar:
-        t0 = time.perf_counter()
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
+        t0 = start_step(device)         # run_utils: the clock; restarts the GPU's peak memory
         # --- rollout: the next questions in data order, n_rollouts episodes each ---
         start = step * cfg.questions_per_step
         order = data_order(len(suite.train), cfg.seed, start // len(suite.train))
@@ -636,16 +572,8 @@ def main(argv=None) -> dict:
         stats = update(model, value_head, opt, batch, cfg)
         t_step = time.perf_counter() - t0
         # --- evaluation / logging / checkpoint ---
-        done = step + 1
-        act = batch["turn_ids"] >= 0
-        adv = batch["advantages"][act]
-        row = {"step": done, **episode_stats(trajs, cfg.n_rollouts, "train/"),
-               **{f"loss/{k}": v for k, v in stats.items()},
-               "adv/mean": float(adv.mean()), "adv/std": float(adv.std()),
-               "time/rollout_s": t_rollout, "time/update_s": t_step - t_rollout,
-               "time/step_s": t_step, "tokens_per_s": float(act.sum()) / t_rollout,
-               "mem/peak_gb": (torch.cuda.max_memory_allocated() / 2**30
-                               if device.type == "cuda" else float("nan"))}
+        done = step + 1                 # step_metrics (run_utils): train/ loss/ adv/ time/ mem/
+        row = step_metrics(done, trajs, cfg.n_rollouts, batch, stats, t_rollout, t_step, device)
         if cfg.uses_critic:
             row["critic/explained_variance"] = float(mpo.explained_variance(
                 batch["values"], batch["returns"], batch["turn_ids"]))
@@ -666,6 +594,7 @@ def main(argv=None) -> dict:
     bar.close()
     log.close()
     return row
+
 
 if __name__ == "__main__":
     main()
