@@ -312,7 +312,7 @@ def smol_suite(cfg):
 # once per batch, see train_min.frozen_states), float32 (on this CPU 4-bit is slower: docs/smol.md).
 SMOL = dict(
     model="smol", load_in_4bit=False, gradient_checkpointing=False, lora_layers=8,
-    steps=10, n_train=200, n_val=64, min_hops=1, max_hops=1, top_k=1, max_turns=3,
+    steps=20, n_train=200, n_val=64, min_hops=1, max_hops=1, top_k=1, max_turns=3,
     max_new_tokens=24, max_total_tokens=512, questions_per_step=4, n_rollouts=4,
     minibatches=2, micro_batch_size=8, rollout_batch_size=64, lr_policy=2e-4, lr_critic=2e-4,
     lr_value_head=1e-3, temperature=0.7, eval_every=10, eval_first=True, greedy_eval=True,
