@@ -430,7 +430,8 @@ def paired_differences(runs: list[dict]) -> str:
         se = statistics.stdev(d) / math.sqrt(len(d)) if len(d) > 1 else float("nan")
         t = f"{statistics.mean(d) / se:+.1f}" if se > 0 else "–"
         lines.append(f"| {name} | {len(d)} | " + ", ".join(f"{x:+.1f}" for x in d)
-                     + f" | {statistics.mean(d):+.1f} ± {se:.1f} | {t} |")
+                     + f" | {statistics.mean(d):+.1f}" + (f" ± {se:.1f}" if se == se else "")
+                     + f" | {t} |")
     return ("\nPaired by seed (percentage points):\n\n" + "\n".join(lines) + "\n"
             if len(lines) > 2 else "")
 
