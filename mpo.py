@@ -42,6 +42,7 @@ Usage:
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 import torch.nn.functional as F
@@ -84,6 +85,8 @@ def _check_turn_ids(turn_ids) -> int:
     if bool((turn_ids < -1).any()):
         raise ValueError("turn_ids holds values below -1; use -1 for non-action positions")
     B, T = turn_ids.shape
+    if B == 0 or T == 0:
+        return 0                                   # an empty batch: valid, no turn
     act = turn_ids >= 0
     pos = torch.arange(T, device=turn_ids.device).expand(B, T)
     # q = the previous action position of the row (-1 if none), via a running maximum.
@@ -99,9 +102,71 @@ def _check_turn_ids(turn_ids) -> int:
     return int(turn_ids.max().clamp(min=-1)) + 1 if turn_ids.numel() else 0
 
 
-def _check_unit(name: str, x: float) -> None:
-    if not isinstance(x, (int, float)) or isinstance(x, bool) or not (0.0 <= x <= 1.0):
-        raise ValueError(f"{name} must be a number in [0, 1], got {x!r}")
+def _check_number(name: str, x, ok, what: str) -> float:
+    """x as a Python float: a Python, numpy or one-element 0-dim torch real number (not a bool)."""
+    if isinstance(x, torch.Tensor):
+        if x.dim() != 0 or x.dtype == torch.bool or x.is_complex():
+            raise TypeError(f"{name} must be a real number or a 0-dim real tensor, got a "
+                            f"{x.dtype} tensor of shape {tuple(x.shape)}")
+        x = x.item()                               # one host read; validation only
+    elif isinstance(x, bool) or not isinstance(x, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(x).__name__}")
+    x = float(x)
+    if not ok(x):                                  # NaN fails every comparison
+        raise ValueError(f"{name} must be {what}, got {x!r}")
+    return x
+
+
+def _check_unit(name: str, x) -> float:
+    return _check_number(name, x, lambda v: 0.0 <= v <= 1.0, "a number in [0, 1]")
+
+
+def _check_beta(beta) -> float:
+    return _check_number("beta", beta, lambda v: 0.0 <= v < math.inf, "a finite number >= 0")
+
+
+def _check_max_log_ratio(max_log_ratio) -> float:
+    return _check_number("max_log_ratio", max_log_ratio, lambda v: 0.0 < v < math.inf,
+                         "a finite number > 0 (the clamp of a log-ratio before exp)")
+
+
+def _check_num_tokens(num_tokens, act: torch.Tensor) -> None:
+    """num_tokens: None, or a whole number >= 1 and >= this batch's own action-token count."""
+    what = "a whole number >= 1: the action-token count of the full batch (None: this batch's)"
+    if isinstance(num_tokens, torch.Tensor):
+        if num_tokens.numel() != 1 or num_tokens.is_complex() or num_tokens.dtype == torch.bool:
+            raise TypeError(f"num_tokens must be {what}, got a tensor of shape {tuple(num_tokens.shape)}")
+        num_tokens = num_tokens.item()
+    elif isinstance(num_tokens, bool) or not isinstance(num_tokens, numbers.Real):
+        raise TypeError(f"num_tokens must be {what}, got {type(num_tokens).__name__}")
+    if not (math.isfinite(num_tokens) and num_tokens >= 1 and float(num_tokens).is_integer()):
+        raise ValueError(f"num_tokens must be {what}, got {num_tokens!r}")
+    if num_tokens < int(act.sum()):
+        raise ValueError(f"num_tokens={num_tokens!r} is below this batch's own {int(act.sum())} "
+                         "action tokens; pass the count of the whole (accumulated) batch")
+
+
+def _validate_rewards_values(rewards, values, turn_ids) -> int:
+    """Check (rewards, values, turn_ids) of the advantage functions; return K."""
+    K = _check_turn_ids(turn_ids)
+    _check_tensor("rewards", rewards, turn_ids)
+    _check_tensor("values", values, turn_ids)
+    act = turn_ids >= 0
+    _check_float("rewards", rewards, act)
+    _check_float("values", values, act)
+    if bool(((rewards != 0) & ~act).any()):
+        raise ValueError("rewards must be 0 off action positions (turn_ids == -1); "
+                         "put a reward on the action token that earned it")
+    return K
+
+
+def _validate_logps(logp, old_logp, turn_ids) -> None:
+    """Check (logp, old_logp, turn_ids) of the ratio and loss functions."""
+    _check_turn_ids(turn_ids)
+    _check_tensor("logp", logp, turn_ids)
+    _check_tensor("old_logp", old_logp, turn_ids)
+    _check_float("logp", logp, turn_ids >= 0)
+    _check_float("old_logp", old_logp, turn_ids >= 0)
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -143,8 +208,9 @@ def _per_turn_sum(x: torch.Tensor, turn_ids: torch.Tensor, num_turns: int) -> to
 
 def _gather_turn(x_turn: torch.Tensor, turn_ids: torch.Tensor) -> torch.Tensor:
     """Broadcast a per-turn tensor (B, K) to the tokens of each turn (B, T); 0 off turns."""
-    val = torch.gather(x_turn, 1, turn_ids.clamp(min=0))                      # (B, T)
-    return torch.where(turn_ids >= 0, val, torch.zeros_like(val))
+    K = x_turn.shape[1]
+    idx = torch.where(turn_ids >= 0, turn_ids, K)                              # -1 -> spare column
+    return torch.gather(F.pad(x_turn, (0, 1)), 1, idx)                         # (B, T), K = 0 too
 
 
 def _next_action_value(v: torch.Tensor, act: torch.Tensor) -> torch.Tensor:
@@ -203,7 +269,7 @@ def outcome_rewards(scores: torch.Tensor, turn_ids: torch.Tensor) -> torch.Tenso
     _check_float("scores", scores)
     B, T = turn_ids.shape
     pos = torch.arange(T, device=turn_ids.device).expand(B, T)
-    last = torch.where(turn_ids >= 0, pos, -1).max(dim=1).values                # (B,)
+    last = F.pad(torch.where(turn_ids >= 0, pos, -1), (0, 1), value=-1).amax(dim=1)   # (B,), T = 0 too
     rewards = torch.zeros(B, T + 1, dtype=scores.dtype, device=scores.device)  # spare column T
     rewards.scatter_(1, torch.where(last >= 0, last, T)[:, None], scores[:, None])
     return rewards[:, :T]
@@ -237,19 +303,6 @@ def token_td_residuals(rewards: torch.Tensor, values: torch.Tensor, turn_ids: to
     v = torch.where(act, values.to(dtype), zero)                              # (B, T)
     r = torch.where(act, rewards.to(dtype), zero)                             # (B, T)
     return torch.where(act, r + _next_action_value(v, act) - v, zero)         # (B, T)
-
-
-def _validate_rewards_values(rewards, values, turn_ids) -> int:
-    K = _check_turn_ids(turn_ids)
-    _check_tensor("rewards", rewards, turn_ids)
-    _check_tensor("values", values, turn_ids)
-    act = turn_ids >= 0
-    _check_float("rewards", rewards, act)
-    _check_float("values", values, act)
-    if bool(((rewards != 0) & ~act).any()):
-        raise ValueError("rewards must be 0 off action positions (turn_ids == -1); "
-                         "put a reward on the action token that earned it")
-    return K
 
 
 def turn_residual_sums(delta: torch.Tensor, turn_ids: torch.Tensor, num_turns: int | None = None,
@@ -303,7 +356,7 @@ def turn_gae(delta_turn: torch.Tensor, turn_mask: torch.Tensor, lam: float,
         adv_turn: (B, K), 0 where turn_mask is False.
     """
     if validate:
-        _check_unit("lam", lam)
+        lam = _check_unit("lam", lam)
         _check_tensor("delta_turn", delta_turn)
         _check_tensor("turn_mask", turn_mask)
         if turn_mask.shape != delta_turn.shape or turn_mask.device != delta_turn.device:
@@ -331,7 +384,7 @@ def intra_turn_traces(delta: torch.Tensor, turn_ids: torch.Tensor, lam_intra: fl
         adv_intra: (B, T), 0 off action positions.
     """
     if validate:
-        _check_unit("lam_intra", lam_intra)
+        lam_intra = _check_unit("lam_intra", lam_intra)
         _check_turn_ids(turn_ids)
         _check_tensor("delta", delta, turn_ids)
         _check_float("delta", delta, turn_ids >= 0)
@@ -364,8 +417,7 @@ def mae_projection(adv_turn: torch.Tensor, adv_intra: torch.Tensor, turn_ids: to
         adv_mae: (B, T), 0 off action positions.
     """
     if validate:
-        if not isinstance(beta, (int, float)) or isinstance(beta, bool) or not beta >= 0 or math.isinf(beta):
-            raise ValueError(f"beta must be a finite number >= 0, got {beta!r}")
+        beta = _check_beta(beta)
         K = _check_turn_ids(turn_ids)
         _check_tensor("adv_intra", adv_intra, turn_ids)
         _check_tensor("adv_turn", adv_turn)
@@ -422,10 +474,9 @@ def mpo_advantages(rewards: torch.Tensor, values: torch.Tensor, turn_ids: torch.
         returns: (B, T) values + A^MAE before whitening: the critic's regression target.
     """
     if validate:
-        _check_unit("lam", lam)
-        _check_unit("lam_intra", lam_intra)
-        if not isinstance(beta, (int, float)) or isinstance(beta, bool) or not beta >= 0 or math.isinf(beta):
-            raise ValueError(f"beta must be a finite number >= 0, got {beta!r}")
+        lam = _check_unit("lam", lam)
+        lam_intra = _check_unit("lam_intra", lam_intra)
+        beta = _check_beta(beta)
         K = _validate_rewards_values(rewards, values, turn_ids)
         if num_turns is not None and num_turns < K:
             raise ValueError(f"num_turns={num_turns} but turn_ids holds {K} turns")
@@ -459,43 +510,47 @@ def turn_ratio(logp: torch.Tensor, old_logp: torch.Tensor, turn_ids: torch.Tenso
     ρ_t A_{t,i} and the centred corrections of Eq. (20) survive. With one shared differentiable
     ρ_t they would cancel: Σ_i A^MAE_{t,i} = L_t A^turn_t (§3).
 
-    Implemented in log space, log ρ̃_{t,i} = lr_{t,i} + sg(S_t − lr_{t,i}) with S_t = Σ_j lr_{t,j},
-    so a long turn's product never overflows; S_t is clamped to ±max_log_ratio (exp(20) ≈ 5e8)
-    before exp, which changes nothing for any ratio PPO clipping would let through.
+    Implemented in log space, log ρ̃_{t,i} = log_ratio_{t,i} + sg(S_t − log_ratio_{t,i}) with
+    S_t = Σ_j log_ratio_{t,j}, so a long turn's product never overflows; S_t is clamped to
+    ±max_log_ratio before exp, so ρ̃ ∈ [e^−20, e^20] ≈ [2e−9, 4.9e8]. That bounds the *ratio*, not
+    the loss: a turn of 96 tokens that each moved by 0.2 nats has ρ_t = e^19. PPO's clip
+    removes such a term only when its advantage is positive; for A < 0 the unclipped branch
+    −ρ_t A is kept, up to 4.9e8·|A| (and its gradient too), unless `policy_loss` gets a
+    `dual_clip` (train_min.py uses 3).
 
     Args:
         logp, old_logp: (B, T) log-probs of the sampled tokens (current, behaviour).
         turn_ids: (B, T) int64.
+        max_log_ratio: > 0, the clamp of S_t before exp.
     Returns:
         ratio: (B, T) float, ρ̃ at action positions, 1 elsewhere.
     """
+    max_log_ratio = _check_max_log_ratio(max_log_ratio) if validate else max_log_ratio
     if validate:
         _validate_logps(logp, old_logp, turn_ids)
     act = turn_ids >= 0
     dtype = _compute_dtype(logp)
-    lr = torch.where(act, logp.to(dtype) - old_logp.to(dtype), torch.zeros((), dtype=dtype, device=logp.device))
-    S = _gather_turn(_per_turn_sum(lr.detach(), turn_ids, turn_ids.shape[1]), turn_ids)   # (B, T)
-    S = S.clamp(-max_log_ratio, max_log_ratio)
-    return torch.exp(lr + (S - lr).detach())                                  # (B, T), sg(·) = .detach()
+    zero = torch.zeros((), dtype=dtype, device=logp.device)
+    log_ratio = torch.where(act, logp.to(dtype) - old_logp.to(dtype), zero)          # (B, T)
+    S = _per_turn_sum(log_ratio.detach(), turn_ids, turn_ids.shape[1])             # (B, K = T)
+    S = _gather_turn(S, turn_ids).clamp(-max_log_ratio, max_log_ratio)             # (B, T)
+    return torch.exp(log_ratio + (S - log_ratio).detach())                  # (B, T), sg = .detach()
 
 
-def _validate_logps(logp, old_logp, turn_ids) -> None:
-    _check_turn_ids(turn_ids)
-    _check_tensor("logp", logp, turn_ids)
-    _check_tensor("old_logp", old_logp, turn_ids)
-    _check_float("logp", logp, turn_ids >= 0)
-    _check_float("old_logp", old_logp, turn_ids >= 0)
-
-
-def _sequence_ratio(lr: torch.Tensor, act: torch.Tensor, max_log_ratio: float) -> torch.Tensor:
+def _sequence_ratio(log_ratio: torch.Tensor, act: torch.Tensor, max_log_ratio: float) -> torch.Tensor:
     """(B3): GSPO-token ratio s_{b,p} = sg[s_b] · π_p / sg[π_p], s_b = exp(mean row log-ratio)."""
     n = act.sum(dim=1, keepdim=True).clamp(min=1)
-    mean_lr = (lr.detach().sum(dim=1, keepdim=True) / n).clamp(-max_log_ratio, max_log_ratio)   # (B, 1)
-    return torch.exp(lr + (mean_lr - lr).detach())                            # (B, T)
+    mean = (log_ratio.detach().sum(dim=1, keepdim=True) / n).clamp(-max_log_ratio, max_log_ratio)
+    return torch.exp(log_ratio + (mean - log_ratio).detach())                  # (B, T); mean (B, 1)
+
+
+# GSPO's clip range of the sequence ratio (Zheng et al., 2025, GSPO paper §5: 3e-4 below, 4e-4
+# above); ε = 0.2 on a length-normalised ratio would be about 500x wider.
+GSPO_CLIP = (3e-4, 4e-4)
 
 
 def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
-                turn_ids: torch.Tensor, clip_eps: float = 0.2, ratio_level: str = "turn", *,
+                turn_ids: torch.Tensor, clip_eps: float | None = None, ratio_level: str = "turn", *,
                 clip_eps_high: float | None = None, dual_clip: float | None = None,
                 num_tokens: int | torch.Tensor | None = None, max_log_ratio: float = 20.0,
                 validate: bool = True) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -505,46 +560,64 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
       "turn"     ρ̃_{t,i} of `turn_ratio` (MPO);
       "token"    ρ_{t,i} = exp(logp − old_logp) (PPO, and the "MPO w/ token IS" ablation);
       "sequence" (B3) GSPO-token: s_b = exp(mean of the row's log-ratios) forward, own-token gradient.
-    The loss is a token mean over action tokens, N = their count in this batch, or `num_tokens`
-    (pass the count of the whole batch to every micro-batch so accumulated gradients equal the
-    full-batch gradient). `clip_eps_high` (DAPO's clip-higher) widens the upper bound; `dual_clip`
-    = c > 1 bounds the loss of negative advantages at −c·A (Ye et al., 2020).
+    clip_eps (ε): default 0.2 for "turn" and "token"; for "sequence" GSPO's own range,
+    ε = 3e-4 and ε_high = 4e-4 (`GSPO_CLIP`), unless you pass clip_eps. `clip_eps_high` (DAPO's
+    clip-higher) widens the upper bound (default ε). The loss is a token mean over action
+    tokens, N = their count in this batch, or `num_tokens` (pass the count of the whole batch to
+    every micro-batch so accumulated gradients equal the full-batch gradient; a whole number
+    >= 1). Every log-ratio (a token's, a turn's sum, a row's mean) is clamped to ±max_log_ratio.
+
+    What is bounded: for A > 0 a term's loss is >= −(1 + ε_high)·A and its gradient is zero once
+    ρ > 1 + ε_high. For A < 0 PPO keeps the unclipped −ρ·A when ρ > 1 − ε, so the term and its
+    gradient grow with ρ up to e^max_log_ratio·|A| (4.9e8·|A|; a turn ratio gets there easily,
+    see `turn_ratio`; in float16 that gradient is inf). `dual_clip` = c > 1 (Ye et al., 2020)
+    caps such a term at c·|A| with zero gradient once ρ > c: then every term's loss and
+    gradient are bounded by max(c, 1 + ε_high)·|A| (per token, before the 1/N).
 
     Returns:
         loss: 0-dim tensor to minimise.
         stats: detached 0-dim tensors: clip_frac (share of action tokens whose term is clipped),
             turn_clip_frac (share of turns whose turn ratio lies outside the clip range),
             approx_kl (mean of (r − 1) − log r over action tokens, r the token ratio; estimates
-            KL(old ‖ new)), ratio_mean and ratio_max of the ratio used.
+            KL(old ‖ new)), ratio_mean and ratio_max of the ratio used. With no action token
+            (B = 0, T = 0 or all -1) the loss and every statistic are 0.
     """
+    if ratio_level not in RATIO_LEVELS:
+        raise ValueError(f"ratio_level must be one of {RATIO_LEVELS}, got {ratio_level!r}")
+    if clip_eps is None:
+        clip_eps, clip_eps_high = (GSPO_CLIP[0], GSPO_CLIP[1] if clip_eps_high is None
+                                   else clip_eps_high) if ratio_level == "sequence" else (0.2, clip_eps_high)
     if validate:
         _validate_logps(logp, old_logp, turn_ids)
         _check_tensor("advantages", advantages, turn_ids)
         _check_float("advantages", advantages, turn_ids >= 0)
-        if ratio_level not in RATIO_LEVELS:
-            raise ValueError(f"ratio_level must be one of {RATIO_LEVELS}, got {ratio_level!r}")
-        if not clip_eps > 0 or (clip_eps_high is not None and not clip_eps_high > 0):
-            raise ValueError(f"clip_eps and clip_eps_high must be > 0, got {clip_eps}, {clip_eps_high}")
-        if dual_clip is not None and not dual_clip > 1:
-            raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
-    elif ratio_level not in RATIO_LEVELS:
-        raise ValueError(f"ratio_level must be one of {RATIO_LEVELS}, got {ratio_level!r}")
+        clip_eps = _check_number("clip_eps", clip_eps, lambda v: 0 < v < math.inf, "> 0")
+        if clip_eps_high is not None:
+            clip_eps_high = _check_number("clip_eps_high", clip_eps_high,
+                                          lambda v: 0 < v < math.inf, "> 0")
+        if dual_clip is not None:
+            dual_clip = _check_number("dual_clip", dual_clip, lambda v: 1 < v < math.inf,
+                                      "> 1 (or None)")
+        max_log_ratio = _check_max_log_ratio(max_log_ratio)
+        if num_tokens is not None:
+            _check_num_tokens(num_tokens, turn_ids >= 0)
     eps_low, eps_high = clip_eps, clip_eps if clip_eps_high is None else clip_eps_high
     act = turn_ids >= 0
     dtype = _compute_dtype(logp)
     zero = torch.zeros((), dtype=dtype, device=logp.device)
-    lr = torch.where(act, logp.to(dtype) - old_logp.to(dtype), zero)          # (B, T)
+    log_ratio = torch.where(act, logp.to(dtype) - old_logp.to(dtype), zero)   # (B, T)
     if ratio_level == "turn":                                                  # MPO: ρ̃_{t,i}
         ratio = turn_ratio(logp, old_logp, turn_ids, max_log_ratio=max_log_ratio, validate=False)
     elif ratio_level == "token":                                               # ρ_{t,i}
-        ratio = torch.exp(lr + (lr.clamp(-max_log_ratio, max_log_ratio) - lr).detach())
+        clamped = log_ratio.clamp(-max_log_ratio, max_log_ratio)
+        ratio = torch.exp(log_ratio + (clamped - log_ratio).detach())
     else:                                                                      # GSPO s_b
-        ratio = _sequence_ratio(lr, act, max_log_ratio)
+        ratio = _sequence_ratio(log_ratio, act, max_log_ratio)
     A = torch.where(act, advantages.to(dtype), zero)                           # (B, T)
     loss_unclipped = -A * ratio
     loss_clipped = -A * ratio.clamp(1 - eps_low, 1 + eps_high)
     loss_tok = torch.maximum(loss_unclipped, loss_clipped)                     # pessimistic bound
-    if dual_clip is not None:
+    if dual_clip is not None:                                                  # A < 0: at most c|A|
         loss_tok = torch.where(A < 0, torch.minimum(loss_tok, -dual_clip * A), loss_tok)
     n = act.sum() if num_tokens is None else torch.as_tensor(num_tokens, device=logp.device)
     loss = torch.where(act, loss_tok, zero).sum() / n.clamp(min=1)
@@ -556,13 +629,14 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
             turn_ratio(logp, old_logp, turn_ids, max_log_ratio=max_log_ratio, validate=False)
         starts = act & (turn_ids != F.pad(turn_ids[:, :-1], (1, 0), value=-1))   # first token of each turn
         turn_out = starts & ((rho_turn < 1 - eps_low) | (rho_turn > 1 + eps_high))
-        r_tok = torch.exp(lr.clamp(-max_log_ratio, max_log_ratio))
+        r_tok = torch.exp(log_ratio.clamp(-max_log_ratio, max_log_ratio))
+        ratio_act = torch.where(act, ratio, zero)
         stats = {
             "clip_frac": clipped.sum().to(dtype) / nact,
             "turn_clip_frac": turn_out.sum().to(dtype) / starts.sum().clamp(min=1),
-            "approx_kl": torch.where(act, (r_tok - 1) - lr, zero).sum() / nact,
-            "ratio_mean": torch.where(act, ratio, zero).sum() / nact,
-            "ratio_max": torch.where(act, ratio, torch.full_like(ratio, -math.inf)).max(),
+            "approx_kl": torch.where(act, (r_tok - 1) - log_ratio, zero).sum() / nact,
+            "ratio_mean": ratio_act.sum() / nact,
+            "ratio_max": ratio_act.amax() if ratio.numel() else zero.clone(),   # ratio > 0: 0 if none
         }
     return loss, stats
 
@@ -582,8 +656,10 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
         for name, x in (("values", values), ("old_values", old_values), ("returns", returns)):
             _check_tensor(name, x, turn_ids)
             _check_float(name, x, act)
-        if clip is not None and not clip > 0:
-            raise ValueError(f"clip must be > 0 or None, got {clip}")
+        if clip is not None:
+            clip = _check_number("clip", clip, lambda v: 0 < v < math.inf, "> 0 or None")
+        if num_tokens is not None:
+            _check_num_tokens(num_tokens, act)
     act = turn_ids >= 0
     dtype = _compute_dtype(values)
     zero = torch.zeros((), dtype=dtype, device=values.device)
@@ -618,8 +694,8 @@ def token_gae(rewards: torch.Tensor, values: torch.Tensor, action_mask: torch.Te
         lam: λ in [0, 1]; gamma: γ in [0, 1]; whiten: standardise over the batch's action tokens.
     """
     if validate:
-        _check_unit("lam", lam)
-        _check_unit("gamma", gamma)
+        lam = _check_unit("lam", lam)
+        gamma = _check_unit("gamma", gamma)
         turn_ids_from_mask(action_mask)                                        # checks the mask
         _check_tensor("rewards", rewards, action_mask, ref_name="action_mask")
         _check_tensor("values", values, action_mask, ref_name="action_mask")
@@ -696,6 +772,8 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, turn_ids: to
     act = turn_ids >= 0
     dtype = _compute_dtype(values)
     v, R = values.to(dtype)[act], returns.to(dtype)[act]
+    if R.numel() == 0:                                # no action token: undefined
+        return torch.full((), math.nan, dtype=dtype, device=values.device)
     var_R = R.var(unbiased=False)                     # NaN when there is no action token
     ev = 1 - (R - v).var(unbiased=False) / var_R
     return torch.where(var_R > 0, ev, torch.full_like(ev, math.nan))   # undefined for constant R
