@@ -333,8 +333,8 @@ def turn_residual_sums(delta: torch.Tensor, turn_ids: torch.Tensor, num_turns: i
     act = turn_ids >= 0
     d = torch.where(act, delta.to(dtype), torch.zeros((), dtype=dtype, device=delta.device))
     delta_turn = _per_turn_sum(d, turn_ids, num_turns)                         # (B, K)
-    n_turns = _per_turn_sum(act.to(dtype), turn_ids, num_turns)                # tokens per turn
-    return delta_turn, n_turns > 0
+    tokens_per_turn = _per_turn_sum(act.to(dtype), turn_ids, num_turns)        # (B, K) L_t
+    return delta_turn, tokens_per_turn > 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -544,8 +544,8 @@ def _sequence_ratio(log_ratio: torch.Tensor, act: torch.Tensor, max_log_ratio: f
     return torch.exp(log_ratio + (mean - log_ratio).detach())                  # (B, T); mean (B, 1)
 
 
-# GSPO's clip range of the sequence ratio (Zheng et al., 2025, GSPO paper §5: 3e-4 below, 4e-4
-# above); ε = 0.2 on a length-normalised ratio would be about 500x wider.
+# GSPO's clip range of the sequence ratio (Zheng et al., 2025, the GSPO paper's experiments:
+# 3e-4 below, 4e-4 above); ε = 0.2 on a length-normalised ratio would be about 500x wider.
 GSPO_CLIP = (3e-4, 4e-4)
 
 
@@ -640,6 +640,10 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
         }
     return loss, stats
 
+
+# ---------------------------------------------------------------------------------------------
+# (M8) The critic loss
+# ---------------------------------------------------------------------------------------------
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
                turn_ids: torch.Tensor, clip: float | None = None, *,
