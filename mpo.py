@@ -436,6 +436,55 @@ def mae_projection(adv_turn: torch.Tensor, adv_intra: torch.Tensor, turn_ids: to
 
 
 # ---------------------------------------------------------------------------------------------
+# The critic's regression target R of (M8): the multi-scale λ-return
+# ---------------------------------------------------------------------------------------------
+
+def multiscale_lambda_returns(values: torch.Tensor, adv_turn: torch.Tensor, adv_intra: torch.Tensor,
+                              turn_ids: torch.Tensor, lam: float, lam_intra: float,
+                              *, validate: bool = True) -> torch.Tensor:
+    """The critic target G_{t,i} = V_{t,i} + A^intra_{t,i} + λ_intra^(L_t − i) · λ · A^turn_{t+1}.
+
+    A^turn past a row's last turn is 0. It is the λ_intra-return of the tokens of turn t that,
+    at the turn's end, bootstraps from the next turn's start value plus λ times its turn-level
+    advantage: the A^intra trace of the residuals with λ·A^turn_{t+1} added to the turn's last
+    residual. So: at a turn's first token with λ_intra = 1 it is the turn λ-return
+    V_{t,1} + A^turn_t (δ^turn_t + λ A^turn_{t+1} = A^turn_t); on the row's last token it is its
+    reward (R(τ) with an outcome reward); with λ = λ_intra = 1 it is the Monte Carlo return;
+    and it does not depend on β (the alternative, V + A^MAE, does, and with λ_intra = β = 1
+    it is the same number A^turn_t + mean_i V_{t,i} on every token of a turn).
+
+    Args:
+        values: (B, T) V; adv_turn: (B, K) A^turn; adv_intra: (B, T) A^intra; turn_ids: (B, T);
+        lam, lam_intra: λ, λ_intra in [0, 1].
+    Returns:
+        returns: (B, T), 0 off action positions.
+    """
+    if validate:
+        lam, lam_intra = _check_unit("lam", lam), _check_unit("lam_intra", lam_intra)
+        K = _check_turn_ids(turn_ids)
+        for name, x in (("values", values), ("adv_intra", adv_intra)):
+            _check_tensor(name, x, turn_ids)
+            _check_float(name, x, turn_ids >= 0)
+        _check_tensor("adv_turn", adv_turn)
+        if adv_turn.shape[0] != turn_ids.shape[0] or adv_turn.shape[1] < K:
+            raise ValueError(f"adv_turn must have shape ({turn_ids.shape[0]}, >= {K}), "
+                             f"got {tuple(adv_turn.shape)}")
+    dtype = _compute_dtype(adv_intra)
+    act = turn_ids >= 0
+    zero = torch.zeros((), dtype=dtype, device=adv_intra.device)
+    length = _per_turn_sum(act.to(dtype), turn_ids, adv_turn.shape[1])          # (B, K) L_t
+    rank = torch.cumsum(act.to(dtype), dim=1)                                  # (B, T) tokens so far
+    after = _gather_turn(torch.cumsum(length, dim=1), turn_ids) - rank         # (B, T) L_t − i
+    next_turn = F.pad(adv_turn.to(dtype)[:, 1:], (0, 1))                       # (B, K) A^turn_{t+1}
+    boot = lam * torch.pow(torch.full_like(after, lam_intra), after) * _gather_turn(next_turn, turn_ids)
+    G = values.to(dtype) + adv_intra.to(dtype) + boot                          # (B, T)
+    return torch.where(act, G, zero)
+
+
+CRITIC_TARGETS = ("mae", "lambda_return")
+
+
+# ---------------------------------------------------------------------------------------------
 # (M5) Batch whitening (§5, step 6), and the composition: MPO advantages (Algorithm 1)
 # ---------------------------------------------------------------------------------------------
 
@@ -455,7 +504,8 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> tor
 
 def mpo_advantages(rewards: torch.Tensor, values: torch.Tensor, turn_ids: torch.Tensor,
                    lam: float = 0.8, lam_intra: float = 0.95, beta: float = 1.0, whiten: bool = True,
-                   *, num_turns: int | None = None, validate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                   *, num_turns: int | None = None, critic_target: str = "mae",
+                   validate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Algorithm 1: MPO advantages, (M1)–(M4) and Eq. (20) composed, then (M5) whitening (§5).
 
     Defaults are the paper's reference setting (λ, λ_intra, β) = (0.80, 0.95, 1.00) (§7).
@@ -469,10 +519,15 @@ def mpo_advantages(rewards: torch.Tensor, values: torch.Tensor, turn_ids: torch.
         num_turns: an upper bound on any row's turn count (e.g. your environment's turn limit).
             Without it, validation reads the exact count, and with validate=False the turn axis
             is T wide (no sync, but a longer scan); with it, neither.
+        critic_target: what `returns` holds, the critic's regression target (the notes leave
+            it open): "mae" = values + A^MAE before whitening (PPO's advantages + values with the
+            MPO advantage; depends on β); "lambda_return" = `multiscale_lambda_returns`.
     Returns:
         advantages: (B, T) A^MAE (whitened if `whiten`), 0 off action positions.
-        returns: (B, T) values + A^MAE before whitening: the critic's regression target.
+        returns: (B, T) the critic's regression target (see critic_target), 0 off action positions.
     """
+    if critic_target not in CRITIC_TARGETS:
+        raise ValueError(f"critic_target must be one of {CRITIC_TARGETS}, got {critic_target!r}")
     if validate:
         lam = _check_unit("lam", lam)
         lam_intra = _check_unit("lam_intra", lam_intra)
@@ -489,8 +544,12 @@ def mpo_advantages(rewards: torch.Tensor, values: torch.Tensor, turn_ids: torch.
     adv_turn = turn_gae(delta_turn, turn_mask, lam, validate=False)                      # (B, K)
     adv_intra = intra_turn_traces(delta, turn_ids, lam_intra, validate=False)            # (B, T)
     adv = mae_projection(adv_turn, adv_intra, turn_ids, beta, validate=False)            # (B, T)
-    zero = torch.zeros((), dtype=adv.dtype, device=adv.device)
-    returns = torch.where(act, values.to(adv.dtype) + adv, zero)                         # (B, T)
+    if critic_target == "mae":
+        zero = torch.zeros((), dtype=adv.dtype, device=adv.device)
+        returns = torch.where(act, values.to(adv.dtype) + adv, zero)                     # (B, T)
+    else:
+        returns = multiscale_lambda_returns(values, adv_turn, adv_intra, turn_ids, lam, lam_intra,
+                                            validate=False)                            # (B, T)
     if whiten:
         adv = masked_whiten(adv, act)
     return adv, returns

@@ -86,9 +86,11 @@ class Config:
     lam: float = arg(0.80, "λ, turn-level GAE (§7)")
     lam_intra: float = arg(0.95, "λ_intra, intra-turn trace (§7)")
     beta: float = arg(1.00, "β, centred intra-turn correction (§7); mpo_beta0 sets 0")
+    critic_target: str = arg("mae", "MPO critic target: mae (V + A^MAE) | lambda_return")
     ppo_lam: float = arg(0.95, "λ of the PPO baseline's token GAE")
     clip_eps: float = arg(0.2, "ε of the clipped surrogate")
     clip_eps_high: float = arg(0.28, "upper clip (clip-higher, DAPO); = clip_eps for symmetric")
+    dual_clip: float = arg(3.0, "c: loss of A < 0 terms capped at c|A|, every ratio level (0: off)")
     dual_clip: float = arg(3.0, "c: loss of A < 0 terms capped at c|A|, every ratio level (0: off)")
     gspo_clip_low: float = arg(3e-4, "GSPO's lower clip of the sequence ratio (GSPO paper: 3e-4)")
     gspo_clip_high: float = arg(4e-4, "GSPO's upper clip of the sequence ratio (GSPO paper: 4e-4)")
@@ -447,7 +449,8 @@ def compute_advantages(batch, cfg: Config) -> None:
     rewards = mpo.outcome_rewards(scores, turn_ids)               # (B, T): R(τ) on the last token
     if cfg.variant in ("mpo", "mpo_token_is", "mpo_beta0"):          # MPO: Eq. (20) advantages
         adv, ret = mpo.mpo_advantages(rewards, values, turn_ids, lam=cfg.lam,
-                                      lam_intra=cfg.lam_intra, beta=cfg.beta)
+                                      lam_intra=cfg.lam_intra, beta=cfg.beta,
+                                      critic_target=cfg.critic_target)
     elif cfg.variant == "ppo":                                       # token GAE baseline
         adv, ret = mpo.token_gae(rewards, values, turn_ids >= 0, lam=cfg.ppo_lam)
     else:                                                            # GRPO / GSPO
@@ -491,6 +494,7 @@ def update(model, value_head, opt, batch, cfg: Config) -> dict[str, float]:
                 loss_pi, stats = mpo.policy_loss(                                # MPO: turn ratio
                     logp, batch["old_logp"][micro], batch["advantages"][micro], tid,
                     clip_eps=eps, ratio_level=ratio_level(cfg), clip_eps_high=eps_high,
+                    dual_clip=cfg.dual_clip or None,       # bounds a runaway turn ratio
                     dual_clip=cfg.dual_clip or None,       # bounds a runaway turn ratio
                     num_tokens=n_tok, validate=False)
                 loss = loss_pi

@@ -152,7 +152,25 @@ def whiten(x, mask, eps: float = 1e-8) -> torch.Tensor:
     return _t(out)
 
 
-def mpo_advantages(rewards, values, turn_ids, lam=0.8, lam_intra=0.95, beta=1.0, whiten_=True):
+def multiscale_lambda_returns(rewards, values, turn_ids, lam: float, lam_intra: float) -> torch.Tensor:
+    """G_{t,i} = V_{t,i} + Σ_{j=i}^{L_t} λ_intra^{j−i} δ_{t,j} + λ_intra^{L_t−i} λ Σ_{k≥0} λ^k δ^turn_{t+1+k},
+    every sum written out from the token residuals δ (no A^turn or A^intra reused)."""
+    d, v, tid = _rows(token_td_residuals(rewards, values, turn_ids)), _rows(values), turn_ids.tolist()
+    out = _zeros(len(tid), len(tid[0]))
+    for b, row in enumerate(tid):
+        turns = turn_positions(row)
+        d_turn = [sum(d[b][p] for p in pos) for pos in turns]
+        for t, pos in enumerate(turns):
+            later = sum(lam ** k * d_turn[t + 1 + k] for k in range(len(turns) - t - 1))
+            L = len(pos)
+            for i in range(L):                       # i is 0-based here: L_t − i becomes L − 1 − i
+                trace = sum(lam_intra ** (j - i) * d[b][pos[j]] for j in range(i, L))
+                out[b][pos[i]] = v[b][pos[i]] + trace + lam_intra ** (L - 1 - i) * lam * later
+    return _t(out)
+
+
+def mpo_advantages(rewards, values, turn_ids, lam=0.8, lam_intra=0.95, beta=1.0, whiten_=True,
+                   critic_target="mae"):
     delta = token_td_residuals(rewards, values, turn_ids)
     K = max(1, int(turn_ids.max()) + 1)
     dturn, tmask = turn_residual_sums(delta, turn_ids, K)
@@ -162,6 +180,8 @@ def mpo_advantages(rewards, values, turn_ids, lam=0.8, lam_intra=0.95, beta=1.0,
     mask = turn_ids >= 0
     v = torch.where(mask, values.to(F64), torch.zeros((), dtype=F64))
     returns = torch.where(mask, v + adv, torch.zeros((), dtype=F64))
+    if critic_target == "lambda_return":
+        returns = multiscale_lambda_returns(rewards, values, turn_ids, lam, lam_intra)
     if whiten_:
         adv = whiten(adv, mask)
     return adv, returns
