@@ -91,7 +91,6 @@ class Config:
     clip_eps: float = arg(0.2, "ε of the clipped surrogate")
     clip_eps_high: float = arg(0.28, "upper clip (clip-higher, DAPO); = clip_eps for symmetric")
     dual_clip: float = arg(3.0, "c: loss of A < 0 terms capped at c|A|, every ratio level (0: off)")
-    dual_clip: float = arg(3.0, "c: loss of A < 0 terms capped at c|A|, every ratio level (0: off)")
     gspo_clip_low: float = arg(3e-4, "GSPO's lower clip of the sequence ratio (GSPO paper: 3e-4)")
     gspo_clip_high: float = arg(4e-4, "GSPO's upper clip of the sequence ratio (GSPO paper: 4e-4)")
     value_clip: float = arg(0.2, "value clipping range (0 disables)")
@@ -494,7 +493,6 @@ def update(model, value_head, opt, batch, cfg: Config) -> dict[str, float]:
                 loss_pi, stats = mpo.policy_loss(                                # MPO: turn ratio
                     logp, batch["old_logp"][micro], batch["advantages"][micro], tid,
                     clip_eps=eps, ratio_level=ratio_level(cfg), clip_eps_high=eps_high,
-                    dual_clip=cfg.dual_clip or None,       # bounds a runaway turn ratio
                     dual_clip=cfg.dual_clip or None,       # bounds a runaway turn ratio
                     num_tokens=n_tok, validate=False)
                 loss = loss_pi
