@@ -11,10 +11,11 @@ writes token by token. MPO assigns credit at both scales:
   (M5) batch whitening      (A - mean) / sqrt(var + 1e-8) over all action tokens    (§5, step 6)
   (M6) turn ratio           rho~_{t,i} = rho_{t,i} * sg(prod_{j != i} rho_{t,j})    (§3, §5 step 7)
   (M7) clipped surrogate    -min(rho~ A, clip(rho~, 1 - eps, 1 + eps) A), token mean
-  (M8) critic loss          1/2 (V - R)^2, token mean, R = V_rollout + A^MAE
+  (M8) critic loss          1/2 (V - R)^2, token mean, R = V_rollout + A^MAE or the multi-scale
+                            λ-return G_{t,i} = V + A^intra + lam_intra^(L_t - i) lam A^turn_{t+1}
 
-followed by the baselines the paper compares against ((B1) PPO token GAE, (B2) GRPO, (B3) GSPO)
-and the critic diagnostics of its Appendix C. Eq. (20) is the paper's number; (M1)-(M8) and
+followed by the baselines the paper compares against ((B1) PPO token GAE and VAPO's
+decoupled-λ variant of it, (B2) GRPO, (B3) GSPO) and the critic diagnostics of its Appendix C. Eq. (20) is the paper's number; (M1)-(M8) and
 (B1)-(B3) are this project's labels, listed once in docs/paper.md. Section numbers (§) are those
 of the project's paper notes; docs/paper.md summarises each under the same number.
 
@@ -738,8 +739,8 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
 
 
 # ---------------------------------------------------------------------------------------------
-# Baselines: (B1) PPO token-level GAE, (B2) GRPO group advantages ((B3) GSPO = GRPO advantages
-# with policy_loss(ratio_level="sequence"))
+# Baselines: (B1) PPO token-level GAE and VAPO's variant of it, (B2) GRPO group advantages
+# ((B3) GSPO = GRPO advantages with policy_loss(ratio_level="sequence"))
 # ---------------------------------------------------------------------------------------------
 
 def token_gae(rewards: torch.Tensor, values: torch.Tensor, action_mask: torch.Tensor,
@@ -759,23 +760,72 @@ def token_gae(rewards: torch.Tensor, values: torch.Tensor, action_mask: torch.Te
     if validate:
         lam = _check_unit("lam", lam)
         gamma = _check_unit("gamma", gamma)
-        turn_ids_from_mask(action_mask)                                        # checks the mask
-        _check_tensor("rewards", rewards, action_mask, ref_name="action_mask")
-        _check_tensor("values", values, action_mask, ref_name="action_mask")
+        _validate_action_mask(rewards, values, action_mask)
     act = action_mask.bool()
-    if validate:
-        _check_float("rewards", rewards, act)
-        _check_float("values", values, act)
-        if bool(((rewards != 0) & ~act).any()):
-            raise ValueError("rewards must be 0 off action positions (action_mask == 0)")
+    delta, v = _masked_token_residuals(rewards, values, act, gamma)           # (B, T), (B, T)
+    adv = _token_trace(delta, act, gamma * lam)                                # (B, T)
+    returns = torch.where(act, v + adv, torch.zeros_like(v))
+    if whiten:
+        adv = masked_whiten(adv, act)
+    return adv, returns
+
+
+def _validate_action_mask(rewards, values, action_mask) -> None:
+    turn_ids_from_mask(action_mask)                                            # checks the mask
+    _check_tensor("rewards", rewards, action_mask, ref_name="action_mask")
+    _check_tensor("values", values, action_mask, ref_name="action_mask")
+    act = action_mask.bool()
+    _check_float("rewards", rewards, act)
+    _check_float("values", values, act)
+    if bool(((rewards != 0) & ~act).any()):
+        raise ValueError("rewards must be 0 off action positions (action_mask == 0)")
+
+
+def _masked_token_residuals(rewards, values, act, gamma) -> tuple[torch.Tensor, torch.Tensor]:
+    """δ_p = r_p + γ V_next − V_p over action tokens (observations skipped), and the masked V."""
     dtype = _compute_dtype(values)
     zero = torch.zeros((), dtype=dtype, device=values.device)
     v = torch.where(act, values.to(dtype), zero)                               # (B, T)
     r = torch.where(act, rewards.to(dtype), zero)                              # (B, T)
-    delta = torch.where(act, r + gamma * _next_action_value(v, act) - v, zero) # (B, T)
-    decay = torch.where(act, torch.full_like(delta, gamma * lam), torch.ones_like(delta))   # skip obs
-    adv = torch.where(act, reverse_scan(delta, decay), zero)                   # (B, T)
-    returns = torch.where(act, v + adv, zero)
+    return torch.where(act, r + gamma * _next_action_value(v, act) - v, zero), v
+
+
+def _token_trace(delta: torch.Tensor, act: torch.Tensor, decay) -> torch.Tensor:
+    """A_p = δ_p + decay · A_next(p) over action tokens; decay a number or a (B, 1) tensor."""
+    decay = torch.as_tensor(decay, dtype=delta.dtype, device=delta.device)
+    a = torch.where(act, decay, torch.ones((), dtype=delta.dtype, device=delta.device))  # skip obs
+    return torch.where(act, reverse_scan(delta, a.expand_as(delta)), torch.zeros_like(delta))
+
+
+def vapo_advantages(rewards: torch.Tensor, values: torch.Tensor, action_mask: torch.Tensor,
+                    alpha: float = 0.05, critic_lam: float = 1.0, whiten: bool = True,
+                    *, validate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """VAPO (Yue et al., 2025): (B1)'s token GAE with decoupled, length-adaptive λ (γ = 1).
+
+    The policy's advantages use, per row b, λ_b = 1 − 1/(α · l_b), l_b = the row's action-token
+    count (the response length), clamped to [0, 1] (below l = 1/α = 20 tokens the formula is
+    negative; VAPO's responses are thousands of tokens long and never get there); the critic's
+    target uses critic_lam (VAPO: 1.0, the Monte Carlo return Σ_{q >= p} r_q, unbiased for the
+    value). The rest of VAPO sits in the trainer: value pretraining (the critic fits these
+    returns under the initial policy for its first updates, VAPO: 50), clip-higher
+    (ε = 0.2, ε_high = 0.28) and the token-mean loss: `policy_loss(ratio_level="token")`.
+
+    Args:
+        rewards, values: (B, T) float; action_mask: (B, T) bool or 0/1 integers (1 = action token).
+        alpha: α > 0 (VAPO: 0.05); critic_lam: the critic's λ in [0, 1]; whiten: standardise.
+    Returns:
+        advantages (B, T), whitened if `whiten`; returns (B, T) = values + GAE(critic_lam).
+    """
+    if validate:
+        alpha = _check_number("alpha", alpha, lambda v: 0 < v < math.inf, "> 0")
+        critic_lam = _check_unit("critic_lam", critic_lam)
+        _validate_action_mask(rewards, values, action_mask)
+    act = action_mask.bool()
+    delta, v = _masked_token_residuals(rewards, values, act, 1.0)             # (B, T), (B, T)
+    length = act.sum(dim=1, keepdim=True).to(delta.dtype)                      # (B, 1) l_b
+    lam = (1 - 1 / (alpha * length.clamp(min=1))).clamp(0, 1)                  # (B, 1) λ_b
+    adv = _token_trace(delta, act, lam)                                        # (B, T)
+    returns = torch.where(act, v + _token_trace(delta, act, critic_lam), torch.zeros_like(v))
     if whiten:
         adv = masked_whiten(adv, act)
     return adv, returns

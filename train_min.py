@@ -44,7 +44,7 @@ from run_utils import (MetricsLog, StopFlag, cpu_4bit_workaround, data_order, ep
                        eval_only, load_tokenizer, log_line, parse_with_presets, resume,
                        save_checkpoint, seed_everything, setup_device, start_step, step_metrics)
 
-VARIANTS = ("mpo", "mpo_token_is", "mpo_beta0", "ppo", "grpo", "gspo")
+VARIANTS = ("mpo", "mpo_token_is", "mpo_beta0", "ppo", "grpo", "gspo", "vapo")
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -58,7 +58,8 @@ def arg(default, help: str):
 class Config:
     # --- run ---
     preset: str = arg("default", "default (the paper's §10 run, GPU) | tiny | testbed: presets.py")
-    variant: str = arg("mpo", "mpo (A) | mpo_token_is (B) | mpo_beta0 (C) | ppo | grpo | gspo")
+    variant: str = arg("mpo", "mpo (A) | mpo_token_is (B) | mpo_beta0 (C) | ppo | grpo | gspo "
+                       "| vapo")
     seed: int = arg(0, "seed for sampling, data order and initialisation")
     steps: int = arg(150, "policy updates (§10: 100-150 steps)")
     out_dir: str = arg("", "run folder (default runs/<variant>-s<seed>)")
@@ -88,6 +89,8 @@ class Config:
     beta: float = arg(1.00, "β, centred intra-turn correction (§7); mpo_beta0 sets 0")
     critic_target: str = arg("mae", "MPO critic target: mae (V + A^MAE) | lambda_return")
     ppo_lam: float = arg(0.95, "λ of the PPO baseline's token GAE")
+    vapo_alpha: float = arg(0.05, "VAPO: policy λ = 1 - 1/(α·l), l = response tokens")
+    vapo_value_steps: int = arg(50, "VAPO: first N updates train the critic only (VAPO: 50)")
     clip_eps: float = arg(0.2, "ε of the clipped surrogate")
     clip_eps_high: float = arg(0.28, "upper clip (clip-higher, DAPO); = clip_eps for symmetric")
     dual_clip: float = arg(3.0, "c: loss of A < 0 terms capped at c|A|, every ratio level (0: off)")
@@ -443,13 +446,17 @@ def score_batch(model, value_head, batch, cfg: Config) -> None:
 
 
 # --- Advantages: everything algorithmic comes from mpo.py --------------------------------------
-def compute_advantages(batch, cfg: Config) -> None:
+def compute_advantages(batch, cfg: Config, step: int = 0) -> None:
     turn_ids, values, scores = batch["turn_ids"], batch["values"], batch["scores"]
     rewards = mpo.outcome_rewards(scores, turn_ids)               # (B, T): R(τ) on the last token
     if cfg.variant in ("mpo", "mpo_token_is", "mpo_beta0"):          # MPO: Eq. (20) advantages
         adv, ret = mpo.mpo_advantages(rewards, values, turn_ids, lam=cfg.lam,
                                       lam_intra=cfg.lam_intra, beta=cfg.beta,
                                       critic_target=cfg.critic_target)
+    elif cfg.variant == "vapo":                     # VAPO: critic λ = 1, policy λ length-adaptive
+        adv, ret = mpo.vapo_advantages(rewards, values, turn_ids >= 0, alpha=cfg.vapo_alpha)
+        if step < cfg.vapo_value_steps:             # value pretraining: no policy gradient
+            adv = torch.zeros_like(adv)
     elif cfg.variant == "ppo":                                       # token GAE baseline
         adv, ret = mpo.token_gae(rewards, values, turn_ids >= 0, lam=cfg.ppo_lam)
     else:                                                            # GRPO / GSPO
@@ -571,7 +578,7 @@ def main(argv=None) -> dict:
         score_batch(model, value_head, batch, cfg)
         t_rollout = time.perf_counter() - t0
         # --- advantages ---
-        compute_advantages(batch, cfg)                               # MPO: Eq. (20) advantages
+        compute_advantages(batch, cfg, step)                         # MPO: Eq. (20) advantages
         # --- update ---
         stats = update(model, value_head, opt, batch, cfg)
         t_step = time.perf_counter() - t0

@@ -68,7 +68,7 @@ GRIDS = {
     "beta": [{"beta": x} for x in (0.0, 0.5, 1.0, 1.5, 2.0)],
 }
 LABELS = {"mpo": "A: MPO", "mpo_token_is": "B: MPO w/ token IS", "mpo_beta0": "C: MPO β=0",
-          "ppo": "PPO", "grpo": "GRPO", "gspo": "GSPO"}      # the settings A, B, C of §10
+          "ppo": "PPO", "grpo": "GRPO", "gspo": "GSPO", "vapo": "VAPO"}   # A, B, C: §10
 COLORS = {v: f"C{i}" for i, v in enumerate(LABELS)}           # one colour per variant everywhere
 TESTBED_VARIANTS = ("mpo", "mpo_token_is", "mpo_beta0", "ppo", "grpo")
 STREAM_VARIANTS = ("mpo", "ppo", "grpo")

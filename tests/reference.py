@@ -214,6 +214,27 @@ def token_gae(rewards, values, action_mask, lam=0.95, gamma=1.0, whiten_=True):
     return adv_t, _t(ret)
 
 
+def vapo_advantages(rewards, values, action_mask, alpha=0.05, critic_lam=1.0, whiten_=True):
+    """VAPO: per row λ_b = min(1, max(0, 1 − 1/(α l_b))), l_b = the row's action tokens;
+    A_j = Σ_k λ_b^k δ_{j+k}, returns_j = V_j + Σ_k critic_lam^k δ_{j+k} (γ = 1, observations skipped)."""
+    r, v = _rows(rewards), _rows(values)
+    m = [[bool(x) for x in row] for row in action_mask.tolist()]
+    B, T = len(m), len(m[0])
+    adv, ret = _zeros(B, T), _zeros(B, T)
+    for b in range(B):
+        pos = [p for p in range(T) if m[b][p]]
+        lam = min(1.0, max(0.0, 1.0 - 1.0 / (alpha * len(pos)))) if pos else 0.0
+        deltas = [r[b][p] + (v[b][pos[j + 1]] if j + 1 < len(pos) else 0.0) - v[b][p]
+                  for j, p in enumerate(pos)]
+        for j, p in enumerate(pos):
+            adv[b][p] = sum(lam ** (c - j) * deltas[c] for c in range(j, len(pos)))
+            ret[b][p] = v[b][p] + sum(critic_lam ** (c - j) * deltas[c] for c in range(j, len(pos)))
+    adv_t = _t(adv)
+    if whiten_:
+        adv_t = whiten(adv_t, torch.tensor(m))
+    return adv_t, _t(ret)
+
+
 def grpo_advantages(scores, group_ids, turn_ids, eps=1e-6, scale=True) -> torch.Tensor:
     s, g, tid = [float(x) for x in scores.tolist()], group_ids.tolist(), turn_ids.tolist()
     out = _zeros(len(tid), len(tid[0]))
