@@ -88,19 +88,22 @@ def _check_turn_ids(turn_ids) -> int:
     B, T = turn_ids.shape
     if B == 0 or T == 0:
         return 0                                   # an empty batch: valid, no turn
+    # A run of equal ids starts where the id differs from the previous position's. The layout is
+    # valid iff the runs of each row are numbered 0, 1, 2, ...: then a turn split by -1 (two
+    # runs, one id), a gap or a wrong order all show up as a run whose id is not its rank.
     act = turn_ids >= 0
-    pos = torch.arange(T, device=turn_ids.device).expand(B, T)
-    # q = the previous action position of the row (-1 if none), via a running maximum.
-    q = torch.cummax(torch.where(act, pos, -1), dim=1).values                 # (B, T)
-    prev_q = F.pad(q[:, :-1], (1, 0), value=-1)                               # (B, T)
-    prev_id = torch.gather(turn_ids, 1, prev_q.clamp(min=0))                  # (B, T)
-    prev_id = torch.where(prev_q >= 0, prev_id, -1)
-    same = act & (turn_ids == prev_id)
-    if bool((same & (prev_q != pos - 1)).any()):
-        raise ValueError("turn_ids: a turn is split by non-turn tokens (-1); turns must be contiguous")
-    if bool((act & ~same & (turn_ids != prev_id + 1)).any()):
-        raise ValueError("turn_ids: turns must appear in order 0, 1, 2, ... in each row, without gaps")
-    return int(turn_ids.max().clamp(min=-1)) + 1 if turn_ids.numel() else 0
+    starts = act & (turn_ids != F.pad(turn_ids[:, :-1], (1, 0), value=-1))     # (B, T)
+    rank = torch.cumsum(starts, dim=1) - 1                                     # (B, T) run number
+    bad = act & (turn_ids != rank)
+    if bool(bad.any()):
+        b = int(bad.any(dim=1).nonzero()[0])       # the first bad row: say what is wrong with it
+        ids = [k for k, s in zip(turn_ids[b].tolist(), starts[b].tolist()) if s]
+        if len(set(ids)) < len(ids):
+            raise ValueError("turn_ids: a turn is split by non-turn tokens (-1); turns must be "
+                             f"contiguous (row {b} has runs numbered {ids[:8]})")
+        raise ValueError("turn_ids: turns must appear in order 0, 1, 2, ... in each row, without "
+                         f"gaps (row {b} has runs numbered {ids[:8]})")
+    return int(turn_ids.max().clamp(min=-1)) + 1
 
 
 def _check_number(name: str, x, ok, what: str) -> float:
@@ -538,21 +541,52 @@ def mpo_advantages(rewards: torch.Tensor, values: torch.Tensor, turn_ids: torch.
             raise ValueError(f"num_turns={num_turns} but turn_ids holds {K} turns")
     else:
         K = turn_ids.shape[1]                      # an upper bound on the turn count: no sync
+        lam, lam_intra, beta = (x if isinstance(x, (int, float)) else float(x)   # numpy, 0-dim
+                                for x in (lam, lam_intra, beta))
     K = num_turns if num_turns is not None else K
-    act = turn_ids >= 0
-    delta = token_td_residuals(rewards, values, turn_ids, validate=False)                # (B, T)
-    delta_turn, turn_mask = turn_residual_sums(delta, turn_ids, K, validate=False)       # (B, K)
-    adv_turn = turn_gae(delta_turn, turn_mask, lam, validate=False)                      # (B, K)
-    adv_intra = intra_turn_traces(delta, turn_ids, lam_intra, validate=False)            # (B, T)
-    adv = mae_projection(adv_turn, adv_intra, turn_ids, beta, validate=False)            # (B, T)
+    # The composition below computes exactly (M1)–(M4), Eq. (20) and (M5) as the functions above
+    # do, fused so that each (B, T) tensor is read and written as few times as possible: masks
+    # once, per-turn quantities live in (B, K + 1) tensors whose spare column K is 0 (so one
+    # gather broadcasts them to every position, 0 off turns), and turns are contiguous, so inside
+    # a turn V_next is v[p + 1] and only a turn's last token needs the next turn's start value.
+    dtype = _compute_dtype(values)
+    act = turn_ids >= 0                                                        # (B, T)
+    zero = torch.zeros((), dtype=dtype, device=values.device)
+    v = torch.where(act, values.to(dtype), zero)                               # (B, T) masked once
+    r = torch.where(act, rewards.to(dtype), zero)                              # (B, T)
+    idx = torch.where(act, turn_ids, K)                                        # (B, T) -1 -> column K
+    inside = act & (F.pad(turn_ids[:, 1:], (0, 1), value=-1) == turn_ids)      # p + 1 in p's turn
+    first = act & (F.pad(turn_ids[:, :-1], (1, 0), value=-1) != turn_ids)     # a turn's first token
+    # 1. turn-start values V_{t,1}, token counts L_t and reward sums, (B, K + 1) with column K = 0
+    v_start = torch.zeros(v.shape[0], K + 2, dtype=dtype, device=v.device)
+    v_start = v_start.scatter_(1, torch.where(first, turn_ids, K + 1), v)[:, :K + 1]  # (B, K + 1)
+    length = torch.zeros_like(v_start).scatter_add_(1, idx, act.to(dtype))     # (B, K + 1) L_t
+    r_turn = torch.zeros_like(v_start).scatter_add_(1, idx, r)                 # (B, K + 1)
+    v_next_start = F.pad(v_start[:, 1:], (0, 1))                               # (B, K + 1) V_{t+1,1}
+    # 2. (M1) δ_{t,i} = r + V_next − V: v[p + 1] inside a turn, V_{t+1,1} on its last token
+    v_next = torch.where(inside, F.pad(v[:, 1:], (0, 1)), torch.gather(v_next_start, 1, idx))
+    delta = v_next.add_(r).sub_(v)                                             # (B, T), 0 off turns
+    # 3. (M2) telescoped, δ^turn_t = Σ_i r_{t,i} + V_{t+1,1} − V_{t,1}, and (M3) A^turn
+    delta_turn = (r_turn + v_next_start - v_start)[:, :K]                       # (B, K)
+    has_turn = length[:, :K] > 0
+    adv_turn = reverse_scan(torch.where(has_turn, delta_turn, zero),
+                            torch.where(has_turn, torch.full_like(delta_turn, lam), zero))  # (B, K)
+    # 4. (M4) intra-turn traces: the scan with decay λ_intra inside a turn, 0 at its end
+    adv_intra = reverse_scan(delta, torch.where(inside, torch.full_like(delta, lam_intra), zero))
+    # 5. Eq. (20): A^MAE = (A^turn_t − β mean_i A^intra_{t,i}) + β A^intra, one gather
+    mean_intra = torch.zeros_like(v_start).scatter_add_(1, idx, adv_intra) / length.clamp(min=1)
+    base = F.pad(adv_turn, (0, 1)) - beta * mean_intra                         # (B, K + 1)
+    adv = torch.gather(base, 1, idx).add_(adv_intra, alpha=beta)             # (B, T), 0 off turns
     if critic_target == "mae":
-        zero = torch.zeros((), dtype=adv.dtype, device=adv.device)
-        returns = torch.where(act, values.to(adv.dtype) + adv, zero)                     # (B, T)
+        returns = v + adv                                                      # (B, T), 0 off turns
     else:
-        returns = multiscale_lambda_returns(values, adv_turn, adv_intra, turn_ids, lam, lam_intra,
-                                            validate=False)                            # (B, T)
-    if whiten:
-        adv = masked_whiten(adv, act)
+        returns = multiscale_lambda_returns(v, adv_turn, adv_intra, turn_ids, lam, lam_intra,
+                                            validate=False)                    # (B, T)
+    if whiten:                                     # (M5) with one centred buffer, in place
+        n = length.sum()
+        centred = adv.sub_(adv.sum() / n.clamp(min=1)).masked_fill_(~act, 0)
+        var = torch.linalg.vector_norm(centred).square() / (n - 1).clamp(min=1)
+        adv = centred.mul_(torch.rsqrt(var + 1e-8))
     return adv, returns
 
 
@@ -592,9 +626,17 @@ def turn_ratio(logp: torch.Tensor, old_logp: torch.Tensor, turn_ids: torch.Tenso
     dtype = _compute_dtype(logp)
     zero = torch.zeros((), dtype=dtype, device=logp.device)
     log_ratio = torch.where(act, logp.to(dtype) - old_logp.to(dtype), zero)          # (B, T)
-    S = _per_turn_sum(log_ratio.detach(), turn_ids, turn_ids.shape[1])             # (B, K = T)
-    S = _gather_turn(S, turn_ids).clamp(-max_log_ratio, max_log_ratio)             # (B, T)
-    return torch.exp(log_ratio + (S - log_ratio).detach())                  # (B, T), sg = .detach()
+    return _turn_ratio(log_ratio, turn_ids, max_log_ratio)[0]
+
+
+def _turn_ratio(log_ratio: torch.Tensor, turn_ids: torch.Tensor, max_log_ratio: float):
+    """ρ̃ (B, T) from masked log-ratios, and the clamped turn log-ratio sums S_t (B, T + 1)."""
+    idx = torch.where(turn_ids >= 0, turn_ids, turn_ids.shape[1])              # -1 -> spare column
+    S = torch.zeros(log_ratio.shape[0], turn_ids.shape[1] + 1, dtype=log_ratio.dtype,
+                    device=log_ratio.device).scatter_add_(1, idx, log_ratio.detach())
+    S = S.clamp_(-max_log_ratio, max_log_ratio)                                # (B, K = T + 1)
+    lr_sg = log_ratio.detach()
+    return torch.exp(log_ratio + (torch.gather(S, 1, idx) - lr_sg)), S      # (B, T), sg = .detach()
 
 
 def _sequence_ratio(log_ratio: torch.Tensor, act: torch.Tensor, max_log_ratio: float) -> torch.Tensor:
@@ -666,8 +708,9 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     dtype = _compute_dtype(logp)
     zero = torch.zeros((), dtype=dtype, device=logp.device)
     log_ratio = torch.where(act, logp.to(dtype) - old_logp.to(dtype), zero)   # (B, T)
+    S = None                                       # the turn log-ratio sums, for the stats
     if ratio_level == "turn":                                                  # MPO: ρ̃_{t,i}
-        ratio = turn_ratio(logp, old_logp, turn_ids, max_log_ratio=max_log_ratio, validate=False)
+        ratio, S = _turn_ratio(log_ratio, turn_ids, max_log_ratio)
     elif ratio_level == "token":                                               # ρ_{t,i}
         clamped = log_ratio.clamp(-max_log_ratio, max_log_ratio)
         ratio = torch.exp(log_ratio + (clamped - log_ratio).detach())
@@ -685,15 +728,19 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     with torch.no_grad():
         nact = act.sum().clamp(min=1)
         clipped = act & (loss_tok != loss_unclipped)          # a clipped term: no gradient
-        rho_turn = ratio if ratio_level == "turn" else \
-            turn_ratio(logp, old_logp, turn_ids, max_log_ratio=max_log_ratio, validate=False)
-        starts = act & (turn_ids != F.pad(turn_ids[:, :-1], (1, 0), value=-1))   # first token of each turn
-        turn_out = starts & ((rho_turn < 1 - eps_low) | (rho_turn > 1 + eps_high))
-        r_tok = torch.exp(log_ratio.clamp(-max_log_ratio, max_log_ratio))
+        if S is None:                              # token / sequence level: per-turn sums only
+            idx = torch.where(act, turn_ids, turn_ids.shape[1])
+            S = torch.zeros(act.shape[0], act.shape[1] + 1, dtype=dtype, device=logp.device)
+            S = S.scatter_add_(1, idx, log_ratio).clamp_(-max_log_ratio, max_log_ratio)
+        rho_turn = torch.exp(S)                    # (B, K + 1); 1 for turns a row does not have
+        turn_out = (rho_turn < 1 - eps_low) | (rho_turn > 1 + eps_high)
+        n_turns = (turn_ids.amax(dim=1) + 1).clamp(min=0).sum() if act.shape[1] else nact * 0
+        r_tok = ratio if ratio_level == "token" else torch.exp(log_ratio.clamp(-max_log_ratio,
+                                                                               max_log_ratio))
         ratio_act = torch.where(act, ratio, zero)
         stats = {
             "clip_frac": clipped.sum().to(dtype) / nact,
-            "turn_clip_frac": turn_out.sum().to(dtype) / starts.sum().clamp(min=1),
+            "turn_clip_frac": turn_out.sum().to(dtype) / n_turns.clamp(min=1),
             "approx_kl": torch.where(act, (r_tok - 1) - log_ratio, zero).sum() / nact,
             "ratio_mean": ratio_act.sum() / nact,
             "ratio_max": ratio_act.amax() if ratio.numel() else zero.clone(),   # ratio > 0: 0 if none

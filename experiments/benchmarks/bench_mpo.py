@@ -1,13 +1,17 @@
-"""Benchmark mpo.py against the way most trainers write GAE, on the same batches, in one run.
+"""Benchmark mpo.py against the way most trainers write GAE, and against the memory-bound time.
 
-    python experiments/benchmarks/bench_mpo.py            # B=64,T=4096 and B=256,T=8192 on CPU (and CUDA if present)
+    python experiments/benchmarks/bench_mpo.py            # 64x4096, 256x8192, 64x32768 (CPU; CUDA if present)
     python experiments/benchmarks/bench_mpo.py --quick    # small shapes, a few seconds
 
-Prints median wall times and the ratios the project targets:
-  * mpo_advantages vs a per-token reverse-loop GAE (verl-style, observation tokens skipped):
-    target >= 5x faster at T=4096;
-  * policy_loss forward+backward, ratio_level="turn" vs "token": target <= 1.3x.
-Times are medians over repeats measured side by side (interleaved), so machine noise hits both.
+Prints median wall times and the ratios issue 13 asks for:
+  * memory-bound time: the bytes a call must move at least (its inputs read once, its outputs
+    written once) / the bandwidth of a large tensor copy measured in the same run; and
+    mpo_advantages' fast path (validate=False, num_turns=K) as a multiple of it (target <= 15x);
+  * the default call (validation on) / the fast path (target <= 1.5x);
+  * a per-token reverse-loop GAE (verl-style, observation tokens skipped) / the fast path
+    (target >= 20x at 64x4096);
+  * policy_loss forward+backward, ratio_level="turn" / "token" (target <= 1.1x).
+Times are medians over repeats measured side by side (interleaved), so machine noise hits all.
 """
 import argparse
 import pathlib
@@ -83,6 +87,21 @@ def compare(fns, device, repeats):
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
+def copy_bandwidth(device, mib=256, repeats=5):
+    """Bytes per second of dst.copy_(src) for a large float32 tensor (read + write counted)."""
+    src = torch.ones(mib * 2**20 // 4, device=device)
+    dst = torch.empty_like(src)
+    t = compare({"copy": lambda: dst.copy_(src)}, device, repeats)["copy"]
+    return 2 * src.numel() * 4 / t
+
+
+# Bytes each call must move at least, per (B, T) position: mpo_advantages reads rewards and values
+# (float32) and turn_ids (int64) and writes advantages and returns (float32); policy_loss reads
+# logp, old_logp, advantages (float32) and turn_ids (int64), and backward writes logp's gradient.
+BYTES_ADV = 4 + 4 + 8 + 4 + 4
+BYTES_LOSS = 4 + 4 + 4 + 8 + 4
+
+
 def bench_advantages(B, T, device, repeats):
     turn_ids, values, rewards = make_batch(B, T, device)
     act = turn_ids >= 0
@@ -96,7 +115,6 @@ def bench_advantages(B, T, device, repeats):
         "loop_gae": lambda: loop_gae(rewards, values, act),
         "mpo_advantages": lambda: mpo.mpo_advantages(rewards, values, turn_ids, num_turns=K, validate=False),
         "mpo_advantages+validate": lambda: mpo.mpo_advantages(rewards, values, turn_ids),
-        "mpo_advantages_K=T": lambda: mpo.mpo_advantages(rewards, values, turn_ids, validate=False),
         "token_gae": lambda: mpo.token_gae(rewards, values, act, validate=False),
     }, device, repeats)
     return t
@@ -124,21 +142,29 @@ def main():
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    shapes = [(8, 512)] if args.quick else [(64, 4096), (256, 8192)]
+    shapes = [(8, 512)] if args.quick else [(64, 4096), (256, 8192), (64, 32768)]
     devices = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
     print(f"torch {torch.__version__}, {platform.processor() or platform.machine()}, "
           f"{torch.get_num_threads()} threads, median of {args.repeats} interleaved repeats, float32")
-    print("mpo_adv: validate=False, num_turns=K; +valid.: validate=True; K=T: validate=False without num_turns")
-    print(f"{'device':6} {'B':>4} {'T':>5} | {'loop GAE':>9} {'mpo_adv':>9} {'+valid.':>9} {'K=T':>9} {'tok_gae':>9} "
-          f"{'speed-up':>8} | {'loss tok':>9} {'turn':>9} {'seq':>9} {'turn/tok':>8}")
+    print("mem: memory-bound time; fast: mpo_advantages(validate=False, num_turns=K); default: "
+          "the default call (validate=True); loop: per-token loop GAE; loss: policy_loss fwd+bwd")
+    print(f"{'device':6} {'B':>4} {'T':>5} {'GB/s':>5} | {'mem':>7} {'fast':>8} {'default':>8} "
+          f"{'loop':>8} {'tok_gae':>8} | {'fast/mem':>8} {'dflt/fast':>9} {'loop/fast':>9} | "
+          f"{'loss mem':>8} {'token':>8} {'turn':>8} {'seq':>8} {'turn/tok':>8} {'tok/mem':>7}")
     for device in devices:
+        bandwidth = copy_bandwidth(device)
         for B, T in shapes:
             a = bench_advantages(B, T, device, args.repeats)
             l = bench_loss(B, T, device, args.repeats)
-            print(f"{device.type:6} {B:>4} {T:>5} | {a['loop_gae']*1e3:8.1f}ms {a['mpo_advantages']*1e3:7.1f}ms "
-                  f"{a['mpo_advantages+validate']*1e3:7.1f}ms {a['mpo_advantages_K=T']*1e3:7.1f}ms {a['token_gae']*1e3:7.1f}ms "
-                  f"{a['loop_gae']/a['mpo_advantages']:7.1f}x | {l['token']*1e3:7.1f}ms {l['turn']*1e3:7.1f}ms "
-                  f"{l['sequence']*1e3:7.1f}ms {l['turn']/l['token']:7.2f}x", flush=True)
+            mem, mem_loss = B * T * BYTES_ADV / bandwidth, B * T * BYTES_LOSS / bandwidth
+            fast = a["mpo_advantages"]
+            print(f"{device.type:6} {B:>4} {T:>5} {bandwidth / 1e9:5.1f} | {mem*1e3:5.2f}ms "
+                  f"{fast*1e3:6.1f}ms {a['mpo_advantages+validate']*1e3:6.1f}ms "
+                  f"{a['loop_gae']*1e3:6.0f}ms {a['token_gae']*1e3:6.1f}ms | {fast/mem:7.1f}x "
+                  f"{a['mpo_advantages+validate']/fast:8.2f}x {a['loop_gae']/fast:8.1f}x | "
+                  f"{mem_loss*1e3:6.2f}ms {l['token']*1e3:6.1f}ms {l['turn']*1e3:6.1f}ms "
+                  f"{l['sequence']*1e3:6.1f}ms {l['turn']/l['token']:7.2f}x "
+                  f"{l['token']/mem_loss:6.1f}x", flush=True)
 
 
 if __name__ == "__main__":
