@@ -376,6 +376,97 @@ def testbed_suite(cfg):
 
 
 # ---------------------------------------------------------------------------------------------
+# shape_qwen25_15b, shape_qwen3_4b: the default run's memory and time on a GPU without a download
+# (experiments/benchmarks/gpu_check.py): the published architectures with random weights
+# ---------------------------------------------------------------------------------------------
+
+GPU_MODELS = Path(__file__).resolve().parent / "experiments" / "benchmarks" / "gpu_models"
+SHAPE_BUILD = {"version": 1}          # part of a shape model's cache key
+
+
+def shape_config(path: str | Path):
+    """The transformers config of a shape file (gpu_models/*.json): its fields, less the notes
+    whose names start with "_" (the source, the published parameter count)."""
+    from transformers import AutoConfig
+    fields = {k: v for k, v in json.loads(Path(path).read_text()).items()
+              if not k.startswith("_") and k != "architectures"}
+    return AutoConfig.for_model(**fields)
+
+
+def build_shape_model(config_file: Path, path: Path, corpus: list[str], device: str) -> str:
+    """The architecture of `config_file` with random weights (bf16, built on `device`: seconds for
+    4B parameters on a GPU), its full vocabulary (151,936 rows), and the offline ChatML tokenizer
+    (bpe_tokenizer: 1,024 ids; train_min samples only those, see train_min.sampled_vocab)."""
+    from transformers import AutoModelForCausalLM
+    if (path / "config.json").exists():
+        return str(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tok = bpe_tokenizer(corpus)
+    config = shape_config(config_file)
+    config.bos_token_id, config.eos_token_id = None, tok.eos_token_id
+    config.pad_token_id = tok.pad_token_id
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    gpus = range(torch.cuda.device_count()) if device == "cuda" else []
+    with torch.random.fork_rng(devices=gpus), torch.device(device):    # the caller's RNG: unchanged
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    saved = save_atomically(model, tok, path, (TINY_MARKER, {**SHAPE_BUILD,
+                                                            "config": config_file.name}))
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return saved
+
+
+def prepare_shape_model(cfg, suite) -> str:
+    """`--model FILE.json` (a shape file; the shape presets' default): its model with random
+    weights, built once per content in $MPO_CACHE; any other --model is used as given."""
+    if not cfg.model.endswith(".json"):
+        return cfg.model
+    config_file = Path(cfg.model)
+    if not config_file.is_absolute() and not config_file.exists():
+        config_file = Path(__file__).resolve().parent / config_file     # relative to the repo
+    if not config_file.exists():
+        raise ValueError(f"--model {cfg.model}: no such shape file (see {GPU_MODELS})")
+    content = json.dumps([config_file.read_text(), suite.corpus, SHAPE_BUILD])
+    key = hashlib.sha1(content.encode()).hexdigest()[:12]
+    device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return build_shape_model(config_file, model_cache() / f"shape-{config_file.stem}-{key}",
+                             suite.corpus, device)
+
+
+class LongestEpisode:
+    """A search episode as long as the settings allow: every turn searches (the question, so
+    each observation holds top_k documents) whatever the model wrote, until --max_turns. A
+    random model writes no protocol; without this its episodes would end after one malformed
+    turn and the check would measure the shortest episodes instead of the longest."""
+
+    def __init__(self, env):
+        self.env = env
+
+    def reset(self, task=None):
+        return self.env.reset(task)
+
+    def step(self, assistant_text: str):
+        return self.env.step(f"<search>{self.env.question.question}</search>")
+
+
+def shape_suite(cfg):
+    """The search agent of §10 (the default run's data) with episodes to the turn limit."""
+    import train_min
+    suite = train_min.search_suite(cfg)
+    make_env = suite.make_env
+    suite.make_env = lambda task: LongestEpisode(make_env(task))
+    suite.warm_start = None             # random weights: no warm start
+    return suite
+
+
+# The shape files' paths relative to the repository (train_min's config.json records them).
+SHAPE_QWEN25_15B = dict(model="experiments/benchmarks/gpu_models/qwen2.5-1.5b-instruct.json")
+SHAPE_QWEN3_4B = dict(model="experiments/benchmarks/gpu_models/qwen3-4b.json")
+
+
+# ---------------------------------------------------------------------------------------------
 # The registry: --preset NAME
 # ---------------------------------------------------------------------------------------------
 
@@ -384,4 +475,7 @@ PRESETS = {
     "smol": Preset(SMOL, prepare_smol_model, smol_suite, SmolOptions),   # a real LLM, docs/smol.md
     "tiny": Preset(TINY, prepare_tiny_model, small_search_suite),
     "testbed": Preset(TESTBED, prepare_tiny_model, testbed_suite, TestbedOptions),
+    # the default run with random weights of the published shapes: gpu_check.py, on a GPU
+    "shape_qwen25_15b": Preset(SHAPE_QWEN25_15B, prepare_shape_model, shape_suite),
+    "shape_qwen3_4b": Preset(SHAPE_QWEN3_4B, prepare_shape_model, shape_suite),
 }

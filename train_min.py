@@ -36,6 +36,7 @@ from typing import Callable
 
 import torch
 import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
 
 import mpo
 import presets
@@ -191,6 +192,7 @@ def load_model(cfg: Config, device: torch.device):
                       task_type="CAUSAL_LM", target_modules=LORA_TARGETS, layers_to_transform=top)
     model = get_peft_model(base, lora, adapter_name="policy")
     model.add_adapter("critic", lora)
+    model.sampled_vocab = len(tok)      # ids past the tokenizer are never sampled: sampled_vocab
     value_head = ValueHead(base.config.hidden_size).to(device)
     return tok, model, value_head
 
@@ -243,19 +245,51 @@ def hidden_states(model, ids, attn, frozen=None) -> torch.Tensor:
         return top(inputs_embeds=frozen, attention_mask=attn, use_cache=False).last_hidden_state
 
 
+# Memory: the vocabulary projection of N action tokens is an (N, V) float32 tensor, and softmax
+# keeps a second one for backward: at micro-batch 4 x 480 action tokens and V = 151,936 that is
+# 2.3 GB, plus as much again in backward. Projecting LOGPROB_CHUNK rows at a time and recomputing
+# each chunk in backward (torch.utils.checkpoint) keeps one (256, V) chunk alive: ~0.16 GB each.
+LOGPROB_CHUNK = 256
+
+
+def sampled_vocab(model) -> int:
+    """How many ids sampling may draw: the tokenizer's (load_model sets model.sampled_vocab).
+    The embedding can have more rows (Qwen: 151,936 rows, 151,665 tokens; a model built with
+    random weights for a memory check puts real mass on them): those are never sampled
+    (SampledVocab) and get log-prob −inf, so the trained π is exactly the sampled one."""
+    return getattr(model, "sampled_vocab", None) or model.get_output_embeddings().out_features
+
+
+def chunk_logprobs(lm_head, h, targets, temperature: float, n_vocab: int):
+    """log π(target | h) for rows h (n, H) over all V logit columns, ids >= n_vocab masked out,
+    and the rows' summed entropy (a diagnostic: no gradient)."""
+    logits = lm_head(h).float() / temperature                                  # (n, V)
+    if n_vocab < logits.shape[-1]:
+        logits[:, n_vocab:] = float("-inf")
+    logp_all = torch.log_softmax(logits, dim=-1)                               # (n, V)
+    with torch.no_grad():
+        entropy = torch.special.entr(logp_all.exp()).sum()                    # Σ −p log p
+    return logp_all.gather(1, targets[:, None]).squeeze(1), entropy            # (n,), ()
+
+
 def token_logprobs(model, ids, attn, act, temperature: float = 1.0, frozen=None):
     """log π(token p | prefix) at action positions (0 elsewhere) and the mean entropy there.
     Logits at p − 1 predict token p, so an action token's log-prob comes from the previous
-    position; the vocabulary projection runs only at those positions (memory)."""
+    position; the vocabulary projection runs only at those positions, LOGPROB_CHUNK at a time."""
     h = hidden_states(model, ids, attn, frozen)                                # (B, T, H)
     sel = act[:, 1:]                                                           # (B, T-1)
     lm_head = model.get_base_model().get_output_embeddings()
-    logits = lm_head(h[:, :-1][sel]).float() / temperature                     # (N, V)
-    logp_all = torch.log_softmax(logits, dim=-1)
-    lp = logp_all.gather(1, ids[:, 1:][sel][:, None]).squeeze(1)               # (N,)
-    with torch.no_grad():           # a diagnostic: no graph through another (N, V) tensor
-        entropy = (-(logp_all.exp() * logp_all).sum(-1).mean() if lp.numel()
-                   else logits.new_zeros(()))
+    rows, targets = h[:, :-1][sel], ids[:, 1:][sel]                            # (N, H), (N,)
+    parts, entropy = [], torch.zeros((), device=ids.device)
+    for s in range(0, len(rows), LOGPROB_CHUNK):
+        args = (lm_head, rows[s:s + LOGPROB_CHUNK], targets[s:s + LOGPROB_CHUNK], temperature,
+                sampled_vocab(model))
+        lp_chunk, ent = (checkpoint(chunk_logprobs, *args, use_reentrant=False)
+                         if torch.is_grad_enabled() else chunk_logprobs(*args))
+        parts.append(lp_chunk)
+        entropy = entropy + ent
+    lp = torch.cat(parts) if parts else rows[:, 0].float() * 0                 # (N,)
+    entropy = entropy / max(len(rows), 1)
     out = torch.zeros(ids.shape, dtype=lp.dtype, device=ids.device)
     out[:, 1:] = out[:, 1:].masked_scatter(sel, lp)
     return out, entropy                                                        # (B, T), ()
@@ -341,11 +375,41 @@ def observation_ids(tok, messages, observation: str, last_action_id: int,
     return ids
 
 
+class SampledVocab:
+    """A logits processor for `generate`: ids >= n (rows of the embedding the tokenizer lacks)
+    get -inf, so they are never sampled; the logits keep every column (see sampled_vocab)."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        scores[:, self.n:] = float("-inf")                                     # (B, V)
+        return scores
+
+
+def rows_per_generate(model, width: int, cfg: Config) -> int:
+    """Sequences per `generate` call: --rollout_batch_size, fewer on a GPU when their KV cache
+    (every layer, bf16) and one layer's prefill activations (float32) would take more than half
+    the memory left under --memory_cap_gb. Qwen3-4B's cache alone is 144 KiB per token: 64
+    sequences of 2,048 tokens would need 18 GiB."""
+    if model.device.type != "cuda":
+        return cfg.rollout_batch_size
+    c = model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    kv_bytes = 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * 2       # per token
+    prefill_bytes = 4 * (3 * c.intermediate_size + 4 * c.hidden_size)              # per token
+    total = torch.cuda.get_device_properties(model.device).total_memory
+    cap = min(total, cfg.memory_cap_gb * 2**30) if cfg.memory_cap_gb else total
+    free = cap - torch.cuda.memory_allocated(model.device)
+    per_row = (width + cfg.max_new_tokens) * (kv_bytes + prefill_bytes)
+    return max(1, min(cfg.rollout_batch_size, int(0.5 * free) // per_row))
+
+
 @torch.no_grad()
 def generate_turns(model, tok, prompts: list[list[int]], cfg: Config, greedy: bool,
                    stop_strings: tuple[str, ...] = ()) -> list[list[int]]:
     """One assistant turn for each prompt: sampled ids up to a closing tag or end-of-turn token."""
-    from transformers import GenerationConfig
+    from transformers import GenerationConfig, LogitsProcessorList
     stop_ids = {tok.eos_token_id, tok.pad_token_id, *tok.convert_tokens_to_ids(["<|im_end|>"])}
     stop_ids = sorted(stop_ids - {None, tok.unk_token_id})
     # Pure sampling from the model's softmax: the hub's top_p / top_k / repetition_penalty
@@ -354,15 +418,20 @@ def generate_turns(model, tok, prompts: list[list[int]], cfg: Config, greedy: bo
                            top_p=1.0, top_k=0, repetition_penalty=1.0,
                            max_new_tokens=cfg.max_new_tokens, eos_token_id=stop_ids,
                            pad_token_id=tok.pad_token_id, stop_strings=list(stop_strings) or None)
+    n_vocab = sampled_vocab(model)
+    only_tokenizer_ids = LogitsProcessorList(
+        [SampledVocab(n_vocab)] if n_vocab < model.get_output_embeddings().out_features else [])
+    rows = rows_per_generate(model, max(map(len, prompts)), cfg)   # memory: the KV cache
     out_turns = []
-    for s in range(0, len(prompts), cfg.rollout_batch_size):
-        chunk = prompts[s:s + cfg.rollout_batch_size]
+    for s in range(0, len(prompts), rows):
+        chunk = prompts[s:s + rows]
         width = max(map(len, chunk))
         pads = [width - len(p) for p in chunk]
         ids = torch.tensor([[tok.pad_token_id] * n + p for n, p in zip(pads, chunk)])  # left pad
         attn = torch.tensor([[0] * n + [1] * len(p) for n, p in zip(pads, chunk)])
         out = model.generate(input_ids=ids.to(model.device), attention_mask=attn.to(model.device),
-                             generation_config=gen, **({"tokenizer": tok} if stop_strings else {}))
+                             generation_config=gen, logits_processor=only_tokenizer_ids,
+                             **({"tokenizer": tok} if stop_strings else {}))
         for row in out[:, width:].tolist():     # ids up to and including the first stop id
             end = next((i + 1 for i, t in enumerate(row) if t in stop_ids), len(row))
             out_turns.append(row[:end])
