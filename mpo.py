@@ -939,64 +939,91 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, turn_ids: to
     return torch.where(var_R > 0, ev, torch.full_like(ev, math.nan))   # undefined for constant R
 
 
-def turn_value_structure(values: torch.Tensor, turn_ids: torch.Tensor) -> dict[str, float]:
+# The paper's Appendix C numbers (§1, §3): 2,048 trajectories over 8 checkpoints, 16,323 turns.
+PAPER_TURN_VALUE_STRUCTURE = {
+    "between_share_token_median": 0.895, "between_share_equal_median": 0.902,
+    "between_exceeds_within_frac": 0.938, "boundary_share_sq_changes": 0.092,
+    "boundary_jump_exceeds_span_frac": 0.224, "n_trajectories": 2048, "n_turns": 16323,
+}
+
+
+def turn_value_structure(values, turn_ids) -> dict[str, float]:
     """The paper's Appendix C statistics: do the critic's values vary mainly between turns?
 
-    Computed per trajectory (row) with at least two turns, on the values at its action tokens
-    (v̄ the row mean, m_t the mean of turn t, L_t its length):
+    Rows: a trajectory (row) enters every statistic iff it has at least two turns and its values
+    at action tokens are not all equal; rows with one turn (no boundary, no between-turn
+    variance) and constant rows (every share 0/0) are left out of all five, and counted in
+    n_single_turn and n_constant. Only action tokens are read (observations and padding
+    skipped). For a row, v̄ is the mean of its values, m_t and L_t the mean and token count of
+    turn t, v_{t,i} its values in order:
 
-      between_share_token_median   median over rows of Σ_t L_t (m_t − v̄)² / Σ_{t,i} (v_{t,i} − v̄)²,
-                                   the share of the token-weighted variance explained by turn
-                                   means (paper: 89.5%);
-      between_share_equal_median   median of Var_t(m_t) / (Var_t(m_t) + mean_t Var_i(v_{t,i})), the
-                                   same with every turn weighted equally, population variances
-                                   (paper: 90.2%);
+      between_share_token_median   median over rows of Σ_t L_t (m_t − v̄)² / Σ_{t,i} (v_{t,i} − v̄)²:
+                                   the share of the token-weighted value variance explained by
+                                   turn means (paper: 89.5%);
+      between_share_equal_median   median of Var_t(m_t) / (Var_t(m_t) + mean_t Var_i(v_{t,i})),
+                                   every turn weighted equally, population variances (paper: 90.2%);
       between_exceeds_within_frac  share of rows with Σ_t L_t (m_t − v̄)² > Σ_{t,i} (v_{t,i} − m_t)²
                                    (paper: 93.8%);
-      boundary_share_sq_changes    pooled over all rows: adjacent pairs are consecutive action
-                                   tokens (observations skipped); the share of Σ Δv² that falls on
-                                   pairs crossing a turn boundary (paper: 9.2%);
-      boundary_jump_exceeds_span_frac  share of rows whose mean |Δv| over boundary pairs exceeds
-                                   the mean over its turns of the turn's P95 − P05 value span
-                                   (torch.quantile, linear interpolation) (paper: 22.4%);
-      n_trajectories, n_turns      rows with >= 2 turns, and their turns.
-    Rows with a constant value (zero variance) are left out of the two share medians. A
-    diagnostic: it loops over rows on the CPU in float64; call it every N steps, not every step.
+      boundary_share_sq_changes    adjacent pairs are consecutive action tokens of a row; a pair
+                                   crosses a boundary when its tokens are in different turns (the
+                                   last token of turn t, the first of t + 1, observations between
+                                   them skipped). Pooled over the rows: Σ Δv² over crossing pairs /
+                                   Σ Δv² over all pairs (paper: 9.2%);
+      boundary_jump_exceeds_span_frac  share of rows whose jump, the mean |Δv| over its crossing
+                                   pairs, exceeds its span, the mean over its turns of the turn's
+                                   P95 − P05 (torch.quantile, linear interpolation; 0 for a one-
+                                   token turn) (paper: 22.4%);
+      n_trajectories, n_turns      the rows used and their turns; n_single_turn, n_constant the
+                                   rows left out (rows without any turn are not counted).
+    Medians are the usual median (mean of the two middle values for an even count); a statistic
+    over no row is NaN.
+
+    Pooling: `values` and `turn_ids` may be lists of batches (pairs of (B_j, T_j) tensors, e.g.
+    several rollout batches or checkpoints, as the paper pools 2,048 trajectories over 8
+    checkpoints); every statistic is then computed over all their rows together, which is not
+    the mean of per-batch statistics. A diagnostic: it loops over rows on the CPU in float64;
+    call it every N steps, not every step. The paper's numbers: `PAPER_TURN_VALUE_STRUCTURE`.
     """
-    _check_turn_ids(turn_ids)
-    _check_tensor("values", values, turn_ids)
-    _check_float("values", values, turn_ids >= 0)
-    V, ids = values.detach().to("cpu", torch.float64), turn_ids.detach().cpu()
+    pooled = isinstance(values, (list, tuple)), isinstance(turn_ids, (list, tuple))
+    if pooled[0] != pooled[1] or (pooled[0] and len(values) != len(turn_ids)):
+        raise ValueError("values and turn_ids must both be tensors, or both lists of as many batches")
+    batches = list(zip(values, turn_ids)) if pooled[0] else [(values, turn_ids)]
+    rows = []
+    for V, ids in batches:
+        _check_turn_ids(ids)
+        _check_tensor("values", V, ids)
+        _check_float("values", V, ids >= 0)
+        V, ids = V.detach().to("cpu", torch.float64), ids.detach().cpu()
+        rows += [(V[b][ids[b] >= 0], ids[b][ids[b] >= 0]) for b in range(V.shape[0])]
     share_tok, share_eq, exceeds, jump_exceeds = [], [], [], []
     sq_boundary = sq_all = 0.0
-    n_rows = n_turns = 0
-    for b in range(V.shape[0]):
-        act = ids[b] >= 0
-        v, t = V[b][act], ids[b][act]                                          # action tokens only
-        if v.numel() >= 2:
-            dv2 = (v[1:] - v[:-1]) ** 2
-            crossing = t[1:] != t[:-1]
-            sq_all += float(dv2.sum())
-            sq_boundary += float(dv2[crossing].sum())
+    n_turns = n_single = n_constant = 0
+    for v, t in rows:                                                          # action tokens only
         K = int(t.max()) + 1 if t.numel() else 0
+        if K == 1:
+            n_single += 1
         if K < 2:
             continue
-        n_rows, n_turns = n_rows + 1, n_turns + K
+        if bool((v == v[0]).all()):
+            n_constant += 1
+            continue
+        n_turns += K
+        dv = v[1:] - v[:-1]
+        crossing = t[1:] != t[:-1]                                             # K - 1 boundary pairs
+        sq_all += float((dv ** 2).sum())
+        sq_boundary += float((dv[crossing] ** 2).sum())
         turns = [v[t == k] for k in range(K)]
         L = torch.tensor([float(x.numel()) for x in turns], dtype=torch.float64)
         m = torch.stack([x.mean() for x in turns])                             # (K,) turn means
         between = float((L * (m - v.mean()) ** 2).sum())
         within = float(sum(((x - x.mean()) ** 2).sum() for x in turns))
-        if between + within > 0:
-            share_tok.append(between / (between + within))
+        share_tok.append(between / (between + within))
         var_between_eq = float(m.var(unbiased=False))
         var_within_eq = float(torch.stack([x.var(unbiased=False) for x in turns]).mean())
-        if var_between_eq + var_within_eq > 0:
-            share_eq.append(var_between_eq / (var_between_eq + var_within_eq))
+        share_eq.append(var_between_eq / (var_between_eq + var_within_eq))
         exceeds.append(between > within)
-        jumps = (v[1:] - v[:-1]).abs()[t[1:] != t[:-1]]
         span = torch.stack([x.quantile(0.95) - x.quantile(0.05) for x in turns]).mean()
-        jump_exceeds.append(float(jumps.mean()) > float(span))
+        jump_exceeds.append(float(dv[crossing].abs().mean()) > float(span))
 
     def median(xs):                 # the usual median: the mean of the two middle values if even
         xs = sorted(xs)
@@ -1011,6 +1038,8 @@ def turn_value_structure(values: torch.Tensor, turn_ids: torch.Tensor) -> dict[s
         "between_exceeds_within_frac": frac(exceeds),
         "boundary_share_sq_changes": sq_boundary / sq_all if sq_all > 0 else math.nan,
         "boundary_jump_exceeds_span_frac": frac(jump_exceeds),
-        "n_trajectories": n_rows,
+        "n_trajectories": len(share_tok),
         "n_turns": n_turns,
+        "n_single_turn": n_single,
+        "n_constant": n_constant,
     }

@@ -357,43 +357,56 @@ def median(xs) -> float:
 
 
 def turn_value_structure(values, turn_ids) -> dict:
-    v, tid = _rows(values), turn_ids.tolist()
+    """Rows with >= 2 turns and non-constant values enter every statistic; others are counted."""
+    if isinstance(values, (list, tuple)):
+        pairs = list(zip(values, turn_ids))
+    else:
+        pairs = [(values, turn_ids)]
     share_tok, share_eq, exceeds, jump_exceeds = [], [], [], []
     sq_all = sq_boundary = 0.0
-    n_turns = 0
-    for b, row in enumerate(tid):
-        turns = turn_positions(row)
-        pos = action_positions(row)
-        # pooled adjacent changes (all rows, observations skipped)
-        for j in range(len(pos) - 1):
-            d2 = (v[b][pos[j + 1]] - v[b][pos[j]]) ** 2
-            sq_all += d2
-            if row[pos[j + 1]] != row[pos[j]]:
-                sq_boundary += d2
-        if len(turns) < 2:
-            continue
-        n_turns += len(turns)
-        vals = [v[b][p] for p in pos]
-        vbar = sum(vals) / len(vals)
-        means = [sum(v[b][p] for p in t) / len(t) for t in turns]
-        between = sum(len(t) * (m - vbar) ** 2 for t, m in zip(turns, means))
-        total = sum((x - vbar) ** 2 for x in vals)
-        within = sum((v[b][p] - m) ** 2 for t, m in zip(turns, means) for p in t)
-        share_tok.append(between / total)
-        var_between = _var_pop(means)
-        mean_within = sum(_var_pop([v[b][p] for p in t]) for t in turns) / len(turns)
-        share_eq.append(var_between / (var_between + mean_within))
-        exceeds.append(1.0 if between > within else 0.0)
-        jumps = [abs(v[b][turns[k + 1][0]] - v[b][turns[k][-1]]) for k in range(len(turns) - 1)]
-        spans = [quantile_linear([v[b][p] for p in t], 0.95) - quantile_linear([v[b][p] for p in t], 0.05)
-                 for t in turns]
-        jump_exceeds.append(1.0 if sum(jumps) / len(jumps) > sum(spans) / len(spans) else 0.0)
+    n_turns = n_single = n_constant = 0
+    for vals_t, tid_t in pairs:
+        v, tid = _rows(vals_t), tid_t.tolist()
+        for b, row in enumerate(tid):
+            turns = turn_positions(row)
+            pos = action_positions(row)
+            if len(turns) == 1:
+                n_single += 1
+            if len(turns) < 2:
+                continue
+            vals = [v[b][p] for p in pos]
+            if max(vals) == min(vals):
+                n_constant += 1
+                continue
+            for j in range(len(pos) - 1):                 # adjacent action tokens, obs skipped
+                d2 = (v[b][pos[j + 1]] - v[b][pos[j]]) ** 2
+                sq_all += d2
+                if row[pos[j + 1]] != row[pos[j]]:
+                    sq_boundary += d2
+            n_turns += len(turns)
+            vbar = sum(vals) / len(vals)
+            means = [sum(v[b][p] for p in t) / len(t) for t in turns]
+            between = sum(len(t) * (m - vbar) ** 2 for t, m in zip(turns, means))
+            total = sum((x - vbar) ** 2 for x in vals)
+            within = sum((v[b][p] - m) ** 2 for t, m in zip(turns, means) for p in t)
+            share_tok.append(between / total)
+            var_between = _var_pop(means)
+            mean_within = sum(_var_pop([v[b][p] for p in t]) for t in turns) / len(turns)
+            share_eq.append(var_between / (var_between + mean_within))
+            exceeds.append(1.0 if between > within else 0.0)
+            jumps = [abs(v[b][turns[k + 1][0]] - v[b][turns[k][-1]]) for k in range(len(turns) - 1)]
+            spans = [quantile_linear([v[b][p] for p in t], 0.95)
+                     - quantile_linear([v[b][p] for p in t], 0.05) for t in turns]
+            jump_exceeds.append(1.0 if sum(jumps) / len(jumps) > sum(spans) / len(spans) else 0.0)
+    nan = float("nan")
     return {
-        "between_share_token_median": median(share_tok),
-        "between_share_equal_median": median(share_eq),
-        "between_exceeds_within_frac": sum(exceeds) / len(exceeds),
-        "boundary_share_sq_changes": sq_boundary / sq_all,
-        "boundary_jump_exceeds_span_frac": sum(jump_exceeds) / len(jump_exceeds),
+        "between_share_token_median": median(share_tok) if share_tok else nan,
+        "between_share_equal_median": median(share_eq) if share_eq else nan,
+        "between_exceeds_within_frac": sum(exceeds) / len(exceeds) if exceeds else nan,
+        "boundary_share_sq_changes": sq_boundary / sq_all if sq_all else nan,
+        "boundary_jump_exceeds_span_frac": sum(jump_exceeds) / len(jump_exceeds) if jump_exceeds else nan,
         "n_trajectories": len(share_tok),
         "n_turns": n_turns,
+        "n_single_turn": n_single,
+        "n_constant": n_constant,
     }

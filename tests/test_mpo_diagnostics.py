@@ -17,7 +17,8 @@ from conftest import batches
 
 F64 = torch.float64
 KEYS = {"between_share_token_median", "between_share_equal_median", "between_exceeds_within_frac",
-        "boundary_share_sq_changes", "boundary_jump_exceeds_span_frac", "n_trajectories", "n_turns"}
+        "boundary_share_sq_changes", "boundary_jump_exceeds_span_frac", "n_trajectories", "n_turns",
+        "n_single_turn", "n_constant"}
 
 
 def build(rows, T=None, junk=1e3):
@@ -56,14 +57,15 @@ def test_turn_value_structure_values_constant_within_turns_are_all_between_turn(
         [2, [1.0, 1.0, 1.0], 3, [3.0, 3.0]],
         [[0.0, 0.0], 1, [1.0, 1.0], 2, [-1.0]],
         [1, [2.0] * 4, 1, [2.5] * 3, 4],
-        [[5.0, 6.0, 7.0]],  # one turn: only enters the pooled adjacent changes
-        [6],  # no turn at all
+        [[5.0, 6.0, 7.0]],  # one turn: left out of every statistic (counted in n_single_turn)
+        [6],  # no turn at all: not counted
     ])
     out = mpo.turn_value_structure(values, turn_ids)
-    # boundary Δv²: 4 (row 0) + 1 + 4 (row 1) + 0.25 (row 2); within: 1 + 1 (row 3)
+    # every adjacent change crosses a boundary: 4 (row 0) + 1 + 4 (row 1) + 0.25 (row 2)
     check(out, {"between_share_token_median": 1.0, "between_share_equal_median": 1.0,
-                "between_exceeds_within_frac": 1.0, "boundary_share_sq_changes": 9.25 / 11.25,
-                "boundary_jump_exceeds_span_frac": 1.0, "n_trajectories": 3, "n_turns": 7})
+                "between_exceeds_within_frac": 1.0, "boundary_share_sq_changes": 1.0,
+                "boundary_jump_exceeds_span_frac": 1.0, "n_trajectories": 3, "n_turns": 7,
+                "n_single_turn": 1, "n_constant": 0})
     check(out, ref.turn_value_structure(values, turn_ids))
 
 
@@ -127,6 +129,43 @@ def test_turn_value_structure_quantile_span_uses_linear_interpolation():
         values, turn_ids = build([[[float(i) for i in range(20)], 1, [19.0 + jump]]])
         out = mpo.turn_value_structure(values, turn_ids)
         check(out, {"boundary_jump_exceeds_span_frac": exceeds})
+
+
+def test_turn_value_structure_uses_one_row_set_for_every_statistic():
+    """A constant row and a one-turn row are left out of all five statistics alike (they used
+    to count as 'not exceeding' and in the boundary share's denominator)."""
+    informative = [[[0.0, 1.0], 2, [3.0, 4.0]]]       # shares 0.9, exceeds, jump 2 > span 0.9
+    extra = [[[2.0, 2.0], 1, [2.0]], [[0.0, 5.0, -5.0]]]   # a constant row, a one-turn row
+    alone = mpo.turn_value_structure(*build(informative))
+    both = mpo.turn_value_structure(*build(informative + extra))
+    for k in ("between_share_token_median", "between_share_equal_median",
+              "between_exceeds_within_frac", "boundary_share_sq_changes",
+              "boundary_jump_exceeds_span_frac", "n_trajectories", "n_turns"):
+        assert both[k] == alone[k], k
+    check(alone, {"between_exceeds_within_frac": 1.0, "boundary_share_sq_changes": 4 / 6,
+                  "n_constant": 0, "n_single_turn": 0})
+    check(both, {"n_constant": 1, "n_single_turn": 1})
+    only_constant = mpo.turn_value_structure(*build(extra))
+    assert math.isnan(only_constant["between_share_token_median"])
+    assert math.isnan(only_constant["boundary_share_sq_changes"]) and only_constant["n_trajectories"] == 0
+
+
+@given(batches(min_turns=2), batches(min_turns=1))
+def test_turn_value_structure_pools_batches_as_one_set_of_rows(b1, b2):
+    """A list of batches (different B, T) gives the statistics of all their rows together."""
+    pooled = mpo.turn_value_structure([b1.values, b2.values], [b1.turn_ids, b2.turn_ids])
+    T = max(b1.turn_ids.shape[1], b2.turn_ids.shape[1])
+    pad = lambda x, v: torch.nn.functional.pad(x, (0, T - x.shape[1]), value=v)  # noqa: E731
+    joined = mpo.turn_value_structure(torch.cat([pad(b1.values, 0.0), pad(b2.values, 0.0)]),
+                                      torch.cat([pad(b1.turn_ids, -1), pad(b2.turn_ids, -1)]))
+    check(pooled, joined, atol=1e-12)
+    check(pooled, ref.turn_value_structure([b1.values, b2.values], [b1.turn_ids, b2.turn_ids]),
+          atol=1e-10)
+    try:
+        mpo.turn_value_structure([b1.values], b1.turn_ids)
+        raise AssertionError("a list with a tensor must raise")
+    except ValueError as e:
+        assert "turn_ids" in str(e)
 
 
 @given(batches(min_turns=2))
