@@ -1,8 +1,8 @@
-"""mpo_verl against the real verl 0.9.1 (no mock of verl): registries, hook, GAE, whitening, loss
-aggregation, the example config and the search task.
+"""mpo_verl against the real verl 0.9.1 (no mock of verl's maths): registries, the "mpo" trainer
+mode, GAE, whitening, loss aggregation, the example config, the guards and the search task.
 
-Run in the verl venv (docs/verl.md):
-    cd /work/main && HF_HUB_OFFLINE=1 /work/verl-venv/bin/python -m pytest integrations/verl/tests -q
+Run in the verl venv, with the package installed (docs/verl.md):
+    HF_HUB_OFFLINE=1 .venv-verl/bin/python -m pytest integrations/verl/tests -q
 Collected without verl (the main venv), the whole file skips.
 
 Batches are verl-shaped: `response_mask` right-padded, several runs of 1s (assistant turns)
@@ -15,29 +15,29 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 verl = pytest.importorskip("verl")
+mpo_verl = pytest.importorskip("mpo_verl", reason="pip install -e integrations/verl")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
-HERE = Path(__file__).resolve().parent
-VERL_DIR = HERE.parent                       # integrations/verl
-REPO = VERL_DIR.parents[1]
-sys.path.insert(0, str(VERL_DIR))
-
-import mpo_verl  # noqa: E402  (puts the repo root, where mpo.py is, on sys.path)
-import mpo  # noqa: E402  isort: skip
+import mpo  # noqa: E402  (the repository's mpo.py: the module mpo_verl loaded)
 import verl.utils.torch_functional as verl_F  # noqa: E402
 from verl import DataProto  # noqa: E402
 from verl.trainer.ppo import core_algos, ray_trainer  # noqa: E402
 from verl.trainer.ppo.core_algos import get_adv_estimator_fn, get_policy_loss_fn  # noqa: E402
 from verl.trainer.ppo.utils import need_critic  # noqa: E402
-from verl.trainer.ppo.v1 import utils as v1_utils  # noqa: E402
+from verl.trainer.ppo.v1 import get_trainer_cls  # noqa: E402
 from verl.workers.config import FSDPActorConfig  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+VERL_DIR = HERE.parent                       # integrations/verl
+REPO = VERL_DIR.parents[1]
 
 F32 = dict(rtol=1e-5, atol=1e-5)             # float32 comparisons
 # verl's masked_var computes its Bessel factor n / (n - 1) from integer mask sums, which torch
@@ -81,6 +81,9 @@ def verl_batch(seed: int, B: int = 6, T: int = 112, end_in_tool: bool = False, k
     return mask, rewards, values, last_valid
 
 
+DEFAULTS = {"lam": 0.8, "lam_intra": 0.95, "beta": 1.0, "whiten": True}   # the paper's §7 setting
+
+
 def algo_config(**mpo_params):
     """verl's `algorithm` config node as the trainer passes it (a DictConfig)."""
     node = {"gamma": 1.0, "lam": 1.0, "adv_estimator": "mpo", "use_pf_ppo": False}
@@ -102,7 +105,7 @@ def test_registered_estimator_equals_mpo_advantages_at_action_tokens(seed, param
     fn = get_adv_estimator_fn("mpo")
     adv, ret = fn(token_level_rewards=rewards, response_mask=mask, values=values, config=algo_config(**params),
                   index=np.array([str(i) for i in range(len(mask))], dtype=object))
-    p = {**mpo_verl.MPO_DEFAULTS, **params}
+    p = {**DEFAULTS, **params}
     turn_ids = mpo.turn_ids_from_mask(mask)
     adv_ref, ret_ref = mpo.mpo_advantages(rewards, values, turn_ids, p["lam"], p["lam_intra"], p["beta"], p["whiten"])
     act = mask.bool()
@@ -150,9 +153,9 @@ def test_reward_before_any_action_token_is_dropped():
     assert mpo_verl.rewards_on_action_tokens(rewards, mask).tolist() == [[0, 0, 0, 1], [0, 0, 0, 0]]
 
 
-def test_estimator_without_values_raises_naming_the_critic_switch():
+def test_estimator_without_values_raises_naming_the_trainer_mode():
     mask, rewards, _, _ = verl_batch(0)
-    with pytest.raises(ValueError, match="critic.enable=True"):           # verl's own call: no values
+    with pytest.raises(ValueError, match="trainer.v1.trainer_mode=mpo"):   # verl's own call: no values
         get_adv_estimator_fn("mpo")(token_level_rewards=rewards, response_mask=mask, config=algo_config())
 
 
@@ -164,52 +167,162 @@ def test_estimator_refuses_discounting():
         get_adv_estimator_fn("mpo")(token_level_rewards=rewards, response_mask=mask, values=values, config=cfg)
 
 
-# --- the hook: critic values reach the estimator in both trainers -------------------------------
+# --- the "mpo" trainer mode: critic values reach the estimator, verl itself is not patched ------
 
-def _data_proto(mask, rewards, values=None):
-    tensors = {"token_level_rewards": rewards, "response_mask": mask}
-    if values is not None:
-        tensors["values"] = values
-    uids = np.array([f"u{i // 2}" for i in range(len(mask))], dtype=object)
-    return DataProto.from_dict(tensors=tensors, non_tensors={"uid": uids})
+def test_plugin_entry_point_and_trainer_modes_are_registered_without_patching_verl():
+    from importlib.metadata import entry_points
 
-
-def test_hook_is_installed_where_verl_trainers_call_compute_advantage():
-    from verl.experimental.separation import ray_trainer as separation_trainer
-    assert ray_trainer.compute_advantage is mpo_verl.compute_advantage          # legacy trainer
-    assert v1_utils.compute_advantage is mpo_verl.compute_advantage             # v1 trainer (default)
-    assert separation_trainer.compute_advantage is mpo_verl.compute_advantage   # async trainers
-    assert mpo_verl.install() == []                                             # idempotent
-
-
-@pytest.mark.parametrize("seed", range(2))
-def test_hook_passes_critic_values_to_mpo_in_legacy_and_v1_trainers(seed):
-    mask, rewards, values, _ = verl_batch(seed, end_in_tool=True)
-    cfg = algo_config(lam=0.7)
-    expected, expected_ret = get_adv_estimator_fn("mpo")(token_level_rewards=rewards, response_mask=mask,
-                                                         values=values, config=cfg)
-    legacy = ray_trainer.compute_advantage(_data_proto(mask, rewards, values), "mpo", config=cfg)
-    v1 = v1_utils.compute_advantage_for_multi_trajectories(
-        _data_proto(mask, rewards, values), batch_keys=[f"u{i}_0_0" for i in range(len(mask))],
-        adv_estimator="mpo", config=cfg)
-    for out in (legacy, v1):
-        torch.testing.assert_close(out.batch["advantages"], expected, rtol=0, atol=0)
-        torch.testing.assert_close(out.batch["returns"], expected_ret, rtol=0, atol=0)
+    eps = [ep for ep in entry_points(group="verl.plugins") if ep.name == "mpo"]
+    assert [ep.value for ep in eps] == ["mpo_verl._plugin"]           # pip install -e integrations/verl
+    assert get_adv_estimator_fn("mpo") is mpo_verl.compute_mpo_advantage
+    assert get_policy_loss_fn("mpo") is mpo_verl.compute_policy_loss_mpo
+    from verl.trainer.ppo.v1 import PPOTrainerColocateAsync, PPOTrainerSeparateAsync, PPOTrainerSync
+    for mode, base in [("mpo", PPOTrainerSync), ("mpo_colocate_async", PPOTrainerColocateAsync),
+                       ("mpo_separate_async", PPOTrainerSeparateAsync)]:
+        cls = get_trainer_cls(mode)
+        assert issubclass(cls, base) and get_trainer_cls(cls.base_mode) is base
+        assert cls._compute_advantage is mpo_verl.MPOAdvantage._compute_advantage
+    # verl's own functions are untouched: no monkeypatch anywhere.
+    from verl.trainer.ppo.v1 import utils as v1_utils
+    assert ray_trainer.compute_advantage.__module__ == "verl.trainer.ppo.ray_trainer"
+    assert v1_utils.compute_advantage is ray_trainer.compute_advantage
 
 
-def test_hook_without_critic_raises():
-    mask, rewards, _, _ = verl_batch(0)
-    with pytest.raises(ValueError, match="critic.enable=True"):
-        ray_trainer.compute_advantage(_data_proto(mask, rewards), "mpo", config=algo_config())
+def test_mirrored_verl_method_is_the_one_of_verl_0_9_1():
+    # MPOAdvantage._compute_advantage mirrors PPOTrainer._compute_advantage of verl 0.9.1 step
+    # by step. If verl changes that method, this fails first: re-read it and update the mirror.
+    import hashlib
+    import inspect
+
+    from verl.trainer.ppo.v1.trainer_base import PPOTrainer
+
+    src = inspect.getsource(PPOTrainer._compute_advantage)
+    assert verl.__version__ == "0.9.1"
+    assert hashlib.sha256(src.encode()).hexdigest()[:16] == VERL_COMPUTE_ADVANTAGE_SHA
 
 
-def test_hook_leaves_other_estimators_to_verl():
-    mask, rewards, values, _ = verl_batch(1)
-    out = ray_trainer.compute_advantage(_data_proto(mask, rewards, values), "gae", gamma=1.0, lam=0.95,
-                                        config=algo_config())
-    adv, ret = core_algos.compute_gae_advantage_return(rewards, values, mask, gamma=1.0, lam=0.95)
-    torch.testing.assert_close(out.batch["advantages"], adv, rtol=0, atol=0)
-    torch.testing.assert_close(out.batch["returns"], ret, rtol=0, atol=0)
+VERL_COMPUTE_ADVANTAGE_SHA = "2a4a2aa4a475b228"       # sha256 of its source, first 16 hex
+
+
+class FakeTransferQueue:
+    """verl's TransferQueue (kv_batch_get / kv_batch_put) as a dict of TensorDicts, in memory."""
+
+    def __init__(self, fields):
+        self.fields = fields                                   # TensorDict of nested tensors
+
+    def kv_batch_get(self, keys, partition_id, select_fields):
+        return self.fields.select(*[f for f in select_fields if f in self.fields.keys()])
+
+    def kv_batch_put(self, keys, partition_id, fields):
+        self.fields.update(fields)
+        return SimpleNamespace(keys=keys, partition_id=partition_id)
+
+
+def agent_loop_fields(trajectories, seed=0):
+    """The TransferQueue fields of a batch, built by verl 0.9.1's own agent-loop code.
+
+    trajectories: per row (response_mask list, score). Each row goes through
+    `AgentLoopOutput.as_dict()` (the score on the last response token, as rm_scores) and the batch
+    through `list_of_dict_to_tensordict` (nested tensors), as AgentLoopWorkerTQ stores them; the
+    critic's values are stored per response token, as `_compute_values` writes them.
+    """
+    from verl.experimental.agent_loop.agent_loop import AgentLoopMetrics, AgentLoopOutput
+    from verl.utils.tensordict_utils import list_of_dict_to_tensordict
+
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for i, (mask, score) in enumerate(trajectories):
+        out = AgentLoopOutput(prompt_ids=[5, 6, 7], response_ids=[9] * len(mask), response_mask=mask,
+                              reward_score=score, num_turns=2 * sum(mask) + 1, metrics=AgentLoopMetrics())
+        d = out.as_dict()
+        rows.append({"uid": f"u{i}", "response_mask": d["response_mask"], "rm_scores": d["rm_scores"],
+                     "values": torch.randn(len(mask), generator=g)})
+    return list_of_dict_to_tensordict(rows)
+
+
+def run_mpo_trainer_advantage(monkeypatch, fields, adv_estimator="mpo", num_turns=None, **algo):
+    """MPOTrainerSync._compute_advantage on a fake TransferQueue; returns its padded outputs."""
+    import transfer_queue as tq
+
+    fake = FakeTransferQueue(fields)
+    monkeypatch.setattr(tq, "kv_batch_get", fake.kv_batch_get)
+    monkeypatch.setattr(tq, "kv_batch_put", fake.kv_batch_put)
+    trainer = mpo_verl.MPOTrainerSync.__new__(mpo_verl.MPOTrainerSync)   # no workers: method only
+    cfg = {"adv_estimator": adv_estimator, "gamma": 1.0, "lam": 0.95, "use_kl_in_reward": False,
+           "norm_adv_by_std_in_grpo": True, "rollout_correction": None, **algo}
+    trainer.config = OmegaConf.create({"algorithm": cfg, "actor_rollout_ref": {"rollout": {"n": 1}}})
+    trainer.mpo_num_turns = num_turns
+    n = fields.batch_size[0]
+    keys = [f"u{i}_0_0" for i in range(n)]                              # verl's KVBatchMeta, minimal
+    batch = type("KVBatchMeta", (), {"keys": keys, "partition_id": "train", "__len__": lambda self: n})()
+    trainer._compute_advantage(batch, metrics={})
+    padded = fake.fields.select("advantages", "returns", "response_mask", "values").to_padded_tensor()
+    return padded["advantages"], padded["returns"], padded["response_mask"], padded["values"]
+
+
+# Rows as verl 0.9.1's tool agent loop writes them: each generation appends a run of 1s, each tool
+# response (with the chat template's boundary tokens) a run of 0s; rows have different lengths.
+AGENT_LOOP_ROWS = [
+    ([1, 1, 1, 0, 0, 0, 0, 1, 1, 0, 0, 0, 1, 1, 1, 1], 1.0),   # 3 turns, ends on its answer
+    ([1, 1, 1, 1, 1], 0.0),                                     # answered at once
+    ([1, 1, 0, 0, 0, 1, 1, 1, 0, 0, 0, 0], 1.0),                # cut inside a tool response
+    ([1, 0, 0, 1, 0, 0, 1, 0, 1, 1, 1], -1.0),                  # one-token turns
+]
+
+
+def test_mpo_trainer_on_the_agent_loop_layout_matches_mpo_py(monkeypatch):
+    fields = agent_loop_fields(AGENT_LOOP_ROWS)
+    adv, ret, mask, values = run_mpo_trainer_advantage(monkeypatch, fields, num_turns=4,
+                                                       mpo={"lam": 0.7, "beta": 0.5})
+    # The reference, built from the raw lists: the score of each row on its last model token
+    # (mpo.outcome_rewards), whatever verl did with it.
+    T = max(len(m) for m, _ in AGENT_LOOP_ROWS)
+    ref_mask = torch.tensor([m + [0] * (T - len(m)) for m, _ in AGENT_LOOP_ROWS])
+    assert torch.equal(mask, ref_mask)                                   # right-padded, as stored
+    turn_ids = mpo.turn_ids_from_mask(ref_mask)
+    assert turn_ids.max().item() == 3                                    # 4 turns in row 3
+    rewards = mpo.outcome_rewards(torch.tensor([s for _, s in AGENT_LOOP_ROWS]), turn_ids)
+    adv_ref, ret_ref = mpo.mpo_advantages(rewards, values, turn_ids, lam=0.7, lam_intra=0.95, beta=0.5)
+    act = ref_mask.bool()
+    torch.testing.assert_close(adv[act], adv_ref[act], **F32)
+    torch.testing.assert_close(ret[act], ret_ref[act], **F32)
+    assert not adv[~act].any() and not ret[~act].any()
+
+
+def test_turn_bound_below_the_batch_raises(monkeypatch):
+    # num_turns is multi_turn.max_assistant_turns; a batch with more runs of 1s breaks the layout
+    # the bound relies on, and mpo.py's check (on CPU, in the trainer process) says so.
+    with pytest.raises(ValueError, match="num_turns=3 but turn_ids holds 4 turns"):
+        run_mpo_trainer_advantage(monkeypatch, agent_loop_fields(AGENT_LOOP_ROWS), num_turns=3)
+
+
+def test_turn_bound_comes_from_max_assistant_turns():
+    rollout = {"multi_turn": {"enable": True, "max_assistant_turns": 6}}
+    assert mpo_verl.turn_bound(OmegaConf.create({"actor_rollout_ref": {"rollout": rollout}})) == 6
+    rollout["multi_turn"]["max_assistant_turns"] = None
+    assert mpo_verl.turn_bound(OmegaConf.create({"actor_rollout_ref": {"rollout": rollout}})) is None
+    rollout["multi_turn"]["enable"] = False                              # single-turn agent loop
+    assert mpo_verl.turn_bound(OmegaConf.create({"actor_rollout_ref": {"rollout": rollout}})) == 1
+
+
+def test_mpo_trainer_leaves_other_estimators_to_verl(monkeypatch):
+    fields = agent_loop_fields(AGENT_LOOP_ROWS)
+    adv, ret, mask, values = run_mpo_trainer_advantage(monkeypatch, fields, adv_estimator="gae")
+    rewards = torch.zeros(mask.shape)
+    lengths = [len(m) for m, _ in AGENT_LOOP_ROWS]
+    rewards[torch.arange(len(lengths)), torch.tensor(lengths) - 1] = torch.tensor([s for _, s in AGENT_LOOP_ROWS])
+    adv_v, ret_v = core_algos.compute_gae_advantage_return(rewards, values, mask, gamma=1.0, lam=0.95)
+    act = mask.bool()
+    torch.testing.assert_close(adv[act], adv_v[act], rtol=0, atol=0)
+    torch.testing.assert_close(ret[act], ret_v[act], rtol=0, atol=0)
+
+
+def test_verls_own_compute_advantage_refuses_mpo_naming_the_trainer_mode():
+    mask, rewards, values, _ = verl_batch(0)
+    data = DataProto.from_dict(tensors={"token_level_rewards": rewards, "response_mask": mask, "values": values},
+                               non_tensors={"uid": np.array([str(i) for i in range(len(mask))], dtype=object)})
+    with pytest.raises(ValueError, match="trainer.v1.trainer_mode=mpo"):
+        ray_trainer.compute_advantage(data, "mpo", config=algo_config())
 
 
 def test_verl_enables_the_critic_for_mpo_only_with_critic_enable():
@@ -219,20 +332,53 @@ def test_verl_enables_the_critic_for_mpo_only_with_critic_enable():
     assert need_critic(OmegaConf.create({**base, "critic": {"enable": True}})) is True
 
 
-def test_verl_use_external_modules_loads_mpo_verl_in_a_fresh_process():
-    code = ("import verl\n"
-            "from verl.trainer.ppo import core_algos, ray_trainer\n"
-            "from verl.trainer.ppo.v1 import utils\n"
-            "import mpo_verl\n"
-            "assert core_algos.get_adv_estimator_fn('mpo') is mpo_verl.compute_mpo_advantage\n"
-            "assert core_algos.get_policy_loss_fn('mpo') is mpo_verl.compute_policy_loss_mpo\n"
-            "assert ray_trainer.compute_advantage is mpo_verl.compute_advantage\n"
-            "assert utils.compute_advantage is mpo_verl.compute_advantage\n"
+def test_verl_use_external_modules_still_loads_mpo_verl_without_the_entry_point():
+    # The fallback: entry points off (VERL_USE_EXTERNAL_PLUGINS=none), the module named instead.
+    code = ("import sys, verl\n"
+            "assert 'mpo_verl' in sys.modules, 'not loaded'\n"
+            "from verl.trainer.ppo import core_algos\n"
+            "from verl.trainer.ppo.v1 import get_trainer_cls\n"
+            "assert core_algos.get_policy_loss_fn('mpo').__module__ == 'mpo_verl'\n"
+            "assert get_trainer_cls('mpo').__name__ == 'MPOTrainerSync'\n"
             "print('MPO_VERL_LOADED')\n")
-    env = {**os.environ, "VERL_USE_EXTERNAL_MODULES": "mpo_verl", "HF_HUB_OFFLINE": "1",
-           "PYTHONPATH": os.pathsep.join([str(VERL_DIR), os.environ.get("PYTHONPATH", "")])}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    env = {**os.environ, "VERL_USE_EXTERNAL_PLUGINS": "none", "VERL_USE_EXTERNAL_MODULES": "mpo_verl",
+           "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                         cwd=HERE)
     assert out.returncode == 0 and "MPO_VERL_LOADED" in out.stdout, out.stderr[-3000:]
+    env["VERL_USE_EXTERNAL_MODULES"] = ""                                # and neither: not loaded
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                         cwd=HERE)
+    assert out.returncode != 0 and "not loaded" in out.stderr
+
+
+# --- the guards: options MPO cannot run with, and algorithm.mpo's schema --------------------------
+
+@pytest.mark.parametrize("rs", ["token_k1", "seq_mean_k3,token_k3", " token_k2"])
+def test_token_level_rejection_sampling_is_refused_naming_the_option(rs):
+    cfg = algo_config()
+    cfg.rollout_correction = {"rollout_rs": rs, "rollout_rs_threshold": 2.0}
+    mask, rewards, values, _ = verl_batch(0)
+    with pytest.raises(ValueError, match=r"algorithm\.rollout_correction\.rollout_rs=.*token_k"):
+        get_adv_estimator_fn("mpo")(token_level_rewards=rewards, response_mask=mask, values=values, config=cfg)
+    with pytest.raises(ValueError, match="sequence-level"):
+        mpo_verl.check_rollout_correction(cfg)
+
+
+def test_sequence_level_rejection_sampling_is_allowed():
+    cfg = algo_config()
+    cfg.rollout_correction = {"rollout_rs": "seq_mean_k3", "rollout_rs_threshold": 0.01}
+    mpo_verl.check_rollout_correction(cfg)                               # no error
+    mpo_verl.check_rollout_correction(algo_config())
+
+
+@pytest.mark.parametrize("node,message", [({"bta": 0.5}, "bta"), ({"lam": 1.5}, r"algorithm\.mpo\.lam"),
+                                          ({"beta": -1.0}, r"algorithm\.mpo\.beta")])
+def test_algorithm_mpo_rejects_unknown_keys_and_out_of_range_values(node, message):
+    mask, rewards, values, _ = verl_batch(0)
+    with pytest.raises(ValueError, match=message):
+        get_adv_estimator_fn("mpo")(token_level_rewards=rewards, response_mask=mask, values=values,
+                                    config=algo_config(**node))
 
 
 # --- verl's GAE and whitening vs mpo.py -----------------------------------------------------------
@@ -388,8 +534,8 @@ def test_token_sum_aggregation_and_unsupported_modes():
     old, new, adv = _logps(mask, 3)
     cfg = actor_config()
     loss, _ = get_policy_loss_fn("mpo")(old, new, adv, mask.bool(), "token-sum", cfg, None)
-    ref, _ = mpo.policy_loss(new, old, adv, mpo.turn_ids_from_mask(mask), dual_clip=3.0, num_tokens=1)
-    torch.testing.assert_close(loss, ref, **F32)
+    ref, _ = mpo.policy_loss(new, old, adv, mpo.turn_ids_from_mask(mask), dual_clip=3.0)     # token mean
+    torch.testing.assert_close(loss, ref * mask.sum(), **F32)                                   # x count
     for mode in ("seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"):
         with pytest.raises(ValueError, match="token-mean"):
             get_policy_loss_fn("mpo")(old, new, adv, mask.bool(), mode, cfg, None)
@@ -400,58 +546,68 @@ def test_token_sum_aggregation_and_unsupported_modes():
 
 # --- the example config and the search task ---------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory):
-    """A local Qwen2 config + byte-level BPE tokenizer, so verl's HFModelConfig loads offline."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config
-
-    d = tmp_path_factory.mktemp("tiny_qwen2")
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.train_from_iterator(["search the knowledge base for one name"] * 10, trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
-    hf_tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
-                            "<|im_end|>\n{% endfor %}")
-    hf_tok.save_pretrained(d)
-    Qwen2Config(vocab_size=len(hf_tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, architectures=["Qwen2ForCausalLM"]).save_pretrained(d)
-    return d
-
-
-def test_example_config_composes_selects_mpo_and_passes_verl_validation(tiny_model_dir, monkeypatch):
+def compose_example(*overrides):
+    """example_search_mpo.yaml composed by Hydra as main_ppo composes it, with overrides."""
     from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(VERL_DIR), version_base=None):
+        return compose(config_name="example_search_mpo", overrides=list(overrides))
+
+
+def test_example_config_composes_selects_mpo_and_passes_verl_validation(tiny_model_dir):
     from verl.trainer.ppo.utils import need_reference_policy
     from verl.utils.config import omega_conf_to_dataclass, validate_config
 
-    monkeypatch.setenv("MPO_REPO", str(REPO))
-    monkeypatch.setenv("PYTHONPATH", str(VERL_DIR))
-    with initialize_config_dir(config_dir=str(VERL_DIR), version_base=None):
-        cfg = compose(config_name="example_search_mpo", overrides=[f"actor_rollout_ref.model.path={tiny_model_dir}"])
+    cfg = compose_example(f"actor_rollout_ref.model.path={tiny_model_dir}",
+                          "data.train_files=/data/train.parquet", "data.val_files=/data/val.parquet")
     assert cfg.algorithm.adv_estimator == "mpo" and cfg.critic.enable is True
     assert cfg.actor_rollout_ref.actor.policy_loss.loss_mode == "mpo"
-    assert get_adv_estimator_fn(cfg.algorithm.adv_estimator) is mpo_verl.compute_mpo_advantage
-    assert get_policy_loss_fn(cfg.actor_rollout_ref.actor.policy_loss.loss_mode) is mpo_verl.compute_policy_loss_mpo
+    assert get_trainer_cls(cfg.trainer.v1.trainer_mode) is mpo_verl.MPOTrainerSync
     assert need_critic(cfg) is True and need_reference_policy(cfg) is False
     validate_config(cfg, use_reference_policy=False, use_critic=True)          # verl's own checks
+    mpo_verl.check_config(cfg)                                                 # and MPO's
+    algo = omega_conf_to_dataclass(cfg.algorithm)                              # verl's schema route
+    assert isinstance(algo, mpo_verl.MPOAlgoConfig) and algo.mpo == mpo_verl.MPOConfig()
+    assert (algo.mpo.lam, algo.mpo.lam_intra, algo.mpo.beta) == (0.8, 0.95, 1.0)   # the paper's §7
     actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
     assert actor.loss_agg_mode == "token-mean" and actor.policy_loss.loss_mode == "mpo"
-    assert Path(cfg.actor_rollout_ref.rollout.multi_turn.function_tool_path).is_file()
-    assert Path(cfg.reward.custom_reward_function.path).is_file()
-    assert cfg.ray_kwargs.ray_init.runtime_env.env_vars.VERL_USE_EXTERNAL_MODULES == "mpo_verl"
-    p = mpo_verl.MPO_DEFAULTS
-    assert dict(cfg.algorithm.mpo) == p and cfg.algorithm.gamma == 1.0
+    assert cfg.actor_rollout_ref.rollout.multi_turn.function_tool_path == str(VERL_DIR / "mpo_verl" / "search_tool.py")
+    assert cfg.reward.custom_reward_function.path == "pkg://mpo_verl.search_task"
+    assert mpo_verl.turn_bound(cfg) == 6
+
+
+def test_example_config_has_no_env_interpolation_home_path_or_runtime_env():
+    text = (VERL_DIR / "example_search_mpo.yaml").read_text()
+    body = "\n".join(line.split("#")[0] for line in text.splitlines())      # settings, not comments
+    assert "oc.env" not in body and "~" not in body and "PYTHONPATH" not in body
+    cfg = compose_example()
+    assert OmegaConf.to_container(cfg.ray_kwargs.ray_init.runtime_env) == {"py_executable": None}  # verl's
+    for path in (cfg.data.train_files, cfg.data.val_files):              # not verl's ~/data/... default
+        assert Path(path).is_absolute() and Path(path).parent == Path("/data/mpo_search")
+
+
+@pytest.mark.parametrize("override,message", [
+    ("algorithm.gamma=0.99", "algorithm.gamma=1.0"),
+    ("critic.enable=false", "critic.enable=true"),
+    ("actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean", "loss_agg_mode"),
+    ("algorithm.adv_estimator=gae", "trainer_mode=sync"),
+    ("algorithm.rollout_correction.rollout_rs=token_k1", "rollout_rs='token_k1'"),
+    ("algorithm.mpo.lam_intra=2", r"algorithm\.mpo\.lam_intra"),
+])
+def test_mpo_trainer_refuses_a_config_it_cannot_run_before_any_worker_starts(override, message):
+    cfg = compose_example("data.train_files=/x.parquet", "data.val_files=/y.parquet", override)
+    with pytest.raises(ValueError, match=message):
+        mpo_verl.MPOTrainerSync(cfg)                                      # check_config, first thing
 
 
 def test_search_tool_loads_through_verl_and_finds_the_first_hop():
     import asyncio
 
-    import search_task
     from verl.tools.function_tool import load_function_tools_from_path
 
-    tools = load_function_tools_from_path(str(VERL_DIR / "search_tool.py"))
+    from mpo_verl import search_task
+
+    tools = load_function_tools_from_path(mpo_verl.package_file("search_tool.py"))
     assert [t.name for t in tools] == ["search"]
     schema = tools[0].tool_schema.model_dump(exclude_none=True)["function"]
     assert schema["parameters"]["required"] == ["query"]
@@ -462,7 +618,7 @@ def test_search_tool_loads_through_verl_and_finds_the_first_hop():
 
 
 def test_reward_reads_the_last_answer_tag():
-    from search_task import compute_score
+    from mpo_verl.search_task import compute_score
 
     assert compute_score("mpo_search", "<tool_response>x</tool_response><answer>The Quessa Guild</answer>",
                          "Quessa Guild") == 1.0
@@ -472,7 +628,8 @@ def test_reward_reads_the_last_answer_tag():
 
 def test_data_preparation_writes_verl_rows_that_rlhf_dataset_loads(tmp_path, tiny_model_dir):
     import pandas as pd
-    import search_task
+
+    from mpo_verl import search_task
     from transformers import AutoTokenizer
     from verl.utils.dataset.rl_dataset import RLHFDataset
 

@@ -1,11 +1,11 @@
 """The multi-hop search task of example_search_mpo.yaml, for verl's tool agent loop.
 
 The repository's search environment (search_env.py: a fictional knowledge base, 2-4-hop
-questions, BM25 retrieval) wired into verl by path in the config:
+questions, BM25 retrieval) wired into verl by the example config:
 
-    reward.custom_reward_function.path=<this file>  (name: compute_score)   # the outcome reward
-    actor_rollout_ref.rollout.multi_turn.function_tool_path=search_tool.py  # the `search` tool
-    python integrations/verl/search_task.py --out ~/data/mpo_search        # train/val parquet
+    reward.custom_reward_function.path=pkg://mpo_verl.search_task  (name: compute_score)
+    actor_rollout_ref.rollout.multi_turn.function_tool_path=${mpo_verl.file:search_tool.py}
+    python -m mpo_verl.search_task --out /data/mpo_search        # train.parquet, val.parquet
 
 The tool is in its own file because verl executes a function_tool_path file and registers its
 tools by name; loading the reward from the same file in the same process would register the
@@ -20,14 +20,12 @@ from __future__ import annotations
 
 import argparse
 import re
-import sys
 import threading
 from pathlib import Path
 
-_REPO_ROOT = Path(__file__).resolve().parents[2]
-if str(_REPO_ROOT) not in sys.path:
-    sys.path.append(str(_REPO_ROOT))
-import search_env  # noqa: E402
+from mpo_verl import load_repo_module
+
+search_env = load_repo_module("search_env")     # the repository's search_env.py
 
 SEED = 0
 N_TRAIN, N_VAL = 5000, 500
@@ -99,6 +97,6 @@ def write_parquet(out_dir: str | Path) -> list[Path]:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="~/data/mpo_search", help="output folder")
+    parser.add_argument("--out", required=True, help="output folder (an absolute path is what verl needs)")
     for p in write_parquet(parser.parse_args().out):
         print(p)
