@@ -443,7 +443,8 @@ def main(argv=None) -> int:
     ap.add_argument("--skip", nargs="*", default=[], choices=["cuda_tests", "bench_mpo",
                     "logprob_memory", "train"], help="stages to leave out")
     args = ap.parse_args(argv)
-    args.steps = args.steps or (1 if args.dry_run else 2)
+    if args.steps is None:
+        args.steps = 1 if args.dry_run else 2
     if args.steps < 1:
         raise ValueError(f"--steps must be >= 1, got {args.steps}")
     if args.budget_s is None:
