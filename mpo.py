@@ -15,9 +15,10 @@ writes token by token. MPO assigns credit at both scales:
                             λ-return G_{t,i} = V + A^intra + lam_intra^(L_t - i) lam A^turn_{t+1}
 
 followed by the baselines the paper compares against ((B1) PPO token GAE and VAPO's
-decoupled-λ variant of it, (B2) GRPO, (B3) GSPO) and the critic diagnostics of its Appendix C. Eq. (20) is the paper's number; (M1)-(M8) and
-(B1)-(B3) are this project's labels, listed once in docs/paper.md. Section numbers (§) are those
-of the project's paper notes; docs/paper.md summarises each under the same number.
+decoupled-λ variant of it, (B2) GRPO, (B3) GSPO) and the critic diagnostics of its Appendix C.
+Eq. (20) is the paper's number; (M1)-(M8) and (B1)-(B3) are this project's labels, listed once
+in docs/paper.md. Section numbers (§) are those of the project's paper notes; docs/paper.md
+summarises each under the same number.
 
 Symbols: lam = λ (turn GAE), lam_intra = λ_intra (intra-turn trace), beta = β (strength of the
 centred correction), delta = δ (TD residual), rho = ρ (importance ratio), eps = ε (clip range),
@@ -139,7 +140,8 @@ def _check_num_tokens(num_tokens, act: torch.Tensor) -> None:
     what = "a whole number >= 1: the action-token count of the full batch (None: this batch's)"
     if isinstance(num_tokens, torch.Tensor):
         if num_tokens.numel() != 1 or num_tokens.is_complex() or num_tokens.dtype == torch.bool:
-            raise TypeError(f"num_tokens must be {what}, got a tensor of shape {tuple(num_tokens.shape)}")
+            raise TypeError(f"num_tokens must be {what}, got a tensor of shape "
+                            f"{tuple(num_tokens.shape)}")
         num_tokens = num_tokens.item()
     elif isinstance(num_tokens, bool) or not isinstance(num_tokens, numbers.Real):
         raise TypeError(f"num_tokens must be {what}, got {type(num_tokens).__name__}")
@@ -290,7 +292,7 @@ def outcome_rewards(scores: torch.Tensor, turn_ids: torch.Tensor) -> torch.Tenso
     _check_float("scores", scores)
     B, T = turn_ids.shape
     pos = torch.arange(T, device=turn_ids.device).expand(B, T)
-    last = F.pad(torch.where(turn_ids >= 0, pos, -1), (0, 1), value=-1).amax(dim=1)   # (B,), T = 0 too
+    last = F.pad(torch.where(turn_ids >= 0, pos, -1), (0, 1), value=-1).amax(dim=1)   # (B,)
     rewards = torch.zeros(B, T + 1, dtype=scores.dtype, device=scores.device)  # spare column T
     rewards.scatter_(1, torch.where(last >= 0, last, T)[:, None], scores[:, None])
     return rewards[:, :T]
@@ -497,7 +499,8 @@ def multiscale_lambda_returns(values: torch.Tensor, adv_turn: torch.Tensor, adv_
     rank = torch.cumsum(act.to(dtype), dim=1)                                  # (B, T) tokens so far
     after = _gather_turn(torch.cumsum(length, dim=1), turn_ids) - rank         # (B, T) L_t − i
     next_turn = F.pad(adv_turn.to(dtype)[:, 1:], (0, 1))                       # (B, K) A^turn_{t+1}
-    boot = lam * torch.pow(torch.full_like(after, lam_intra), after) * _gather_turn(next_turn, turn_ids)
+    decay = torch.pow(torch.full_like(after, lam_intra), after)                # λ_intra^(L_t − i)
+    boot = lam * decay * _gather_turn(next_turn, turn_ids)                     # (B, T)
     G = values.to(dtype) + adv_intra.to(dtype) + boot                          # (B, T)
     return torch.where(act, G, zero)
 
@@ -571,7 +574,7 @@ def mpo_advantages(rewards: torch.Tensor, values: torch.Tensor, turn_ids: torch.
     zero = torch.zeros((), dtype=dtype, device=values.device)
     v = torch.where(act, values.to(dtype), zero)                               # (B, T) masked once
     r = torch.where(act, rewards.to(dtype), zero)                              # (B, T)
-    idx = torch.where(act, turn_ids, K)                                        # (B, T) -1 -> column K
+    idx = torch.where(act, turn_ids, K)                                        # (B, T) -1 -> K
     inside = act & (F.pad(turn_ids[:, 1:], (0, 1), value=-1) == turn_ids)      # p + 1 in p's turn
     first = act & (F.pad(turn_ids[:, :-1], (1, 0), value=-1) != turn_ids)     # a turn's first token
     # 1. turn-start values V_{t,1}, token counts L_t and reward sums, (B, K + 1) with column K = 0
@@ -579,7 +582,7 @@ def mpo_advantages(rewards: torch.Tensor, values: torch.Tensor, turn_ids: torch.
     v_start = v_start.scatter_(1, torch.where(first, turn_ids, K + 1), v)[:, :K + 1]  # (B, K + 1)
     length = torch.zeros_like(v_start).scatter_add_(1, idx, act.to(dtype))     # (B, K + 1) L_t
     r_turn = torch.zeros_like(v_start).scatter_add_(1, idx, r)                 # (B, K + 1)
-    v_next_start = F.pad(v_start[:, 1:], (0, 1))                               # (B, K + 1) V_{t+1,1}
+    v_next_start = F.pad(v_start[:, 1:], (0, 1))                               # (B, K + 1)
     # 2. (M1) δ_{t,i} = r + V_next − V: v[p + 1] inside a turn, V_{t+1,1} on its last token
     v_next = torch.where(inside, F.pad(v[:, 1:], (0, 1)), torch.gather(v_next_start, 1, idx))
     delta = v_next.add_(r).sub_(v)                                             # (B, T), 0 off turns
@@ -705,9 +708,11 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     """
     if ratio_level not in RATIO_LEVELS:
         raise ValueError(f"ratio_level must be one of {RATIO_LEVELS}, got {ratio_level!r}")
-    if clip_eps is None:
-        clip_eps, clip_eps_high = (GSPO_CLIP[0], GSPO_CLIP[1] if clip_eps_high is None
-                                   else clip_eps_high) if ratio_level == "sequence" else (0.2, clip_eps_high)
+    if clip_eps is None and ratio_level == "sequence":                       # GSPO's own range
+        clip_eps = GSPO_CLIP[0]
+        clip_eps_high = GSPO_CLIP[1] if clip_eps_high is None else clip_eps_high
+    elif clip_eps is None:
+        clip_eps = 0.2
     if validate:
         _validate_logps(logp, old_logp, turn_ids)
         _check_tensor("advantages", advantages, turn_ids)
@@ -762,7 +767,7 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
             "turn_clip_frac": turn_out.sum().to(dtype) / n_turns.clamp(min=1),
             "approx_kl": torch.where(act, (r_tok - 1) - log_ratio, zero).sum() / nact,
             "ratio_mean": ratio_act.sum() / nact,
-            "ratio_max": ratio_act.amax() if ratio.numel() else zero.clone(),   # ratio > 0: 0 if none
+            "ratio_max": ratio_act.amax() if ratio.numel() else zero.clone(),   # 0 if no token
         }
     return loss, stats
 
@@ -1005,7 +1010,8 @@ def turn_value_structure(values, turn_ids) -> dict[str, float]:
     """
     pooled = isinstance(values, (list, tuple)), isinstance(turn_ids, (list, tuple))
     if pooled[0] != pooled[1] or (pooled[0] and len(values) != len(turn_ids)):
-        raise ValueError("values and turn_ids must both be tensors, or both lists of as many batches")
+        raise ValueError("values and turn_ids must both be tensors, or both lists of as many "
+                         "batches")
     batches = list(zip(values, turn_ids)) if pooled[0] else [(values, turn_ids)]
     rows = []
     for V, ids in batches:

@@ -183,7 +183,7 @@ def test_with_dual_clip_every_term_and_gradient_is_bounded(b, level, c, eps_high
     assert abs(float(loss.detach())) <= bound * float(A.abs().sum()) / N * (1 + 1e-12)
     assert torch.all(x.grad.abs() <= bound * A.abs() / N * (1 + 1e-12) + 1e-300)
     e_loss, e_grad, _ = ref.policy_loss(b.logp, b.old_logp, A, b.turn_ids, 0.2, level, eps_high, c)
-    assert math.isclose(float(loss), e_loss, rel_tol=1e-9, abs_tol=1e-9)
+    assert math.isclose(float(loss.detach()), e_loss, rel_tol=1e-9, abs_tol=1e-9)
 
 
 # --- the sequence ratio gets GSPO's clip range unless told otherwise ------------------------------
