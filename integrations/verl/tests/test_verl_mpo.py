@@ -645,3 +645,17 @@ def test_data_preparation_writes_verl_rows_that_rlhf_dataset_loads(tmp_path, tin
                      config=data_cfg, processor=None)
     item = ds[0]
     assert len(ds) == search_task.N_VAL and list(item["raw_prompt"])[1]["content"].startswith("Question: ")
+
+
+def test_pyproject_pins_are_the_requirements_file_pins():
+    import tomllib
+
+    project = tomllib.loads((VERL_DIR / "pyproject.toml").read_text())["project"]
+    declared = project["dependencies"] + [r for extra in ("cpu", "test")
+                                          for r in project["optional-dependencies"][extra]]
+    lines = (VERL_DIR / "requirements-verl.txt").read_text().splitlines()
+    required = [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+    assert all("==" in r for r in declared)                               # every one pinned
+    assert sorted(declared, key=str.lower) == sorted(required, key=str.lower)
+    import verl as verl_pkg
+    assert f"verl=={verl_pkg.__version__}" in project["dependencies"]
