@@ -376,13 +376,15 @@ class MPOAdvantage:
         from verl.workers.utils.padding import response_to_nested
 
         algo = self.config.algorithm
-        fields = ["response_mask", "rm_scores", "rollout_log_probs", "old_log_probs", "ref_log_prob", "values"]
+        fields = ["response_mask", "rm_scores", "rollout_log_probs", "old_log_probs", "ref_log_prob",
+                  "values"]                                                 # verl's, less uid
         data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
         response_mask = data["response_mask"]                                 # nested, as stored
         data = DataProto(batch=data.to_padded_tensor())                       # right-padded (B, T)
         data.batch["token_level_scores"] = data.batch["rm_scores"]
         if algo.use_kl_in_reward:                                             # 1. KL in the reward
-            data, kl_metrics = apply_kl_penalty(data, kl_ctrl=self.kl_ctrl_in_reward, kl_penalty=algo.kl_penalty)
+            data, kl_metrics = apply_kl_penalty(data, kl_ctrl=self.kl_ctrl_in_reward,
+                                                kl_penalty=algo.kl_penalty)
             metrics.update(kl_metrics)
         else:
             data.batch["token_level_rewards"] = data.batch["token_level_scores"]
@@ -402,7 +404,8 @@ class MPOAdvantage:
             out["response_mask"] = data.batch["response_mask"]
             if "rollout_is_weights" in data.batch:
                 out["rollout_is_weights"] = data.batch["rollout_is_weights"]
-        out = TensorDict({k: response_to_nested(v, response_mask) for k, v in out.items()}, batch_size=len(batch))
+        out = TensorDict({k: response_to_nested(v, response_mask) for k, v in out.items()},
+                         batch_size=len(batch))
         return tq.kv_batch_put(keys=batch.keys, partition_id=batch.partition_id, fields=out)
 
 

@@ -70,8 +70,8 @@ def launch_log(tiny_model_dir, tmp_path_factory):
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
-        pytest.fail(f"the launch did not stop within {TIMEOUT_S} s (a hang, e.g. Ray waiting for resources):\n"
-                    + ANSI.sub("", out)[-6000:])
+        pytest.fail(f"the launch did not stop within {TIMEOUT_S} s (a hang, e.g. Ray waiting for "
+                    "resources):\n" + ANSI.sub("", out)[-6000:])
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -96,8 +96,8 @@ def test_launch_stops_at_the_workers_first_gpu_need(launch_log):
     rc, log = launch_log
     assert rc != 0, log[-4000:]
     # The worker died creating its NCCL process group: the first thing on the GPU path.
-    stop = re.search(r"initialize_global_process_group_ray.*?\n(?:.*\n){0,30}?.*RuntimeError: (.*(?:NCCL|CUDA|GPU).*)",
-                     log)
+    stop = re.search(r"initialize_global_process_group_ray.*?\n(?:.*\n){0,30}?"
+                     r".*RuntimeError: (.*(?:NCCL|CUDA|GPU).*)", log)
     assert stop and "WorkerDict" in log, log[-6000:]
     assert "create worker group dict_keys(['actor_rollout', 'critic'])" in log      # actor + MPO's critic
     for bad in ("Unknown trainer", "Unknown advantage estimator", "Unsupported loss mode",
