@@ -26,6 +26,16 @@ import numpy as np
 import torch
 
 
+class ConfigError(ValueError):
+    """A bad flag, flag combination or run folder: train_min prints its message as one line."""
+
+
+def given_flags(argv: list[str]) -> set[str]:
+    """The Config field names written on the command line: ["--n_val=4", "--seed", "1"] ->
+    {"n_val", "seed"}."""
+    return {a.lstrip("-").split("=")[0].replace("-", "_") for a in argv if a.startswith("--")}
+
+
 def parse_with_presets(config_cls, argv=None):
     """config_cls from the command line (default sys.argv), then the chosen preset's overrides
     (presets.py) except for flags given; every preset's own flags parse, only the chosen one's
@@ -34,20 +44,71 @@ def parse_with_presets(config_cls, argv=None):
     import presets
     argv = sys.argv[1:] if argv is None else argv
     option_types = [p.options for p in presets.PRESETS.values() if p.options]
-    parser = HfArgumentParser([config_cls, *option_types])
-    cfg, *options = parser.parse_args_into_dataclasses(args=argv)
-    given = {a.lstrip("-").split("=")[0].replace("-", "_") for a in argv if a.startswith("--")}
+    parser = HfArgumentParser([config_cls, *option_types], allow_abbrev=False)  # --step != --steps
+    cfg, *options, unknown = parser.parse_args_into_dataclasses(args=argv,
+                                                               return_remaining_strings=True)
+    if flags := [a for a in unknown if a.startswith("-")]:
+        import difflib
+        known = [a for action in parser._actions for a in action.option_strings]
+        close = difflib.get_close_matches(flags[0].split("=")[0], known, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise ConfigError(f"unknown flag {flags[0]}{hint}; see python train_min.py --help")
+    if unknown:
+        raise ConfigError(f"unexpected argument {unknown[0]!r}; flags take the form --name value")
+    given = given_flags(argv)
     preset = presets.PRESETS[cfg.preset]
     for opts in options:
         if type(opts) is preset.options:
             cfg.preset_options = asdict(opts)
         elif misplaced := sorted(given & {f.name for f in fields(opts)}):
             owner = next(n for n, p in presets.PRESETS.items() if p.options is type(opts))
-            raise ValueError(f"--{misplaced[0]} needs --preset {owner}")
+            raise ConfigError(f"--{misplaced[0]} needs --preset {owner}")
     for k, v in preset.overrides.items():
         if k not in given:
             setattr(cfg, k, v)
+    check_config(cfg)                   # the preset's values are checked like the user's
     return cfg
+
+
+# Counts and ranges of Config, checked before any model is loaded or file written.
+AT_LEAST_ONE = ("steps", "save_every", "eval_every", "structure_every", "n_train", "n_val",
+                "min_hops", "top_k", "max_turns", "max_new_tokens", "max_total_tokens", "lora_r",
+                "n_rollouts", "questions_per_step", "ppo_epochs", "minibatches",
+                "micro_batch_size", "rollout_batch_size", "eval_samples")
+POSITIVE = ("lora_alpha", "clip_eps", "clip_eps_high", "gspo_clip_low", "gspo_clip_high",
+            "max_grad_norm", "temperature")
+NON_NEGATIVE = ("lora_layers", "beta", "value_clip", "vf_coef", "kl_coef", "cpu_threads",
+                "memory_cap_gb", "lr_policy", "lr_critic", "lr_value_head")   # lr 0: frozen
+UNIT_INTERVAL = ("lam", "lam_intra", "ppo_lam")
+
+
+def check_config(cfg) -> None:
+    """Refuse counts, ranges and flag combinations that would crash later or run something other
+    than what was asked, with one message naming the flag and what to do."""
+    for names, ok, need in ((AT_LEAST_ONE, lambda v: v >= 1, "an integer >= 1"),
+                            (POSITIVE, lambda v: v > 0, "> 0"),
+                            (NON_NEGATIVE, lambda v: v >= 0, ">= 0"),
+                            (UNIT_INTERVAL, lambda v: 0 <= v <= 1, "in [0, 1]")):
+        for name in names:
+            value = getattr(cfg, name, None)
+            if value is not None and not (math.isfinite(value) and ok(value)):
+                raise ConfigError(f"--{name} must be {need}, got {value}")
+    if cfg.min_hops > cfg.max_hops:
+        raise ConfigError(f"--min_hops ({cfg.min_hops}) exceeds --max_hops ({cfg.max_hops})")
+    episodes = cfg.questions_per_step * cfg.n_rollouts
+    if cfg.minibatches > episodes:
+        raise ConfigError(f"--minibatches {cfg.minibatches} exceeds the {episodes} episodes of a "
+                          "step (questions_per_step x n_rollouts): some minibatches would be "
+                          "empty; lower --minibatches")
+    if cfg.variant in ("grpo", "gspo") and cfg.n_rollouts < 2:
+        raise ConfigError(f"--variant {cfg.variant} needs --n_rollouts >= 2: the group-relative "
+                          "advantages of a group of one episode are all zero")
+    if cfg.checkpoint and not cfg.eval_only:
+        raise ConfigError("--checkpoint is read only by --eval_only: add --eval_only, or continue "
+                          "a run with --resume --out_dir RUN")
+    if cfg.resume and cfg.overwrite:
+        raise ConfigError("--resume continues the run in --out_dir, --overwrite replaces it: "
+                          "choose one")
 
 
 def setup_device(cfg) -> torch.device:
@@ -148,9 +209,7 @@ def load_checkpoint(ckpt: Path, model, value_head, opt, restore_rng: bool = True
     from peft import set_peft_model_state_dict
     from peft.utils import load_peft_weights
     from safetensors.torch import load_file
-    missing = [p for p in CHECKPOINT_FILES if not (ckpt / p).exists()]
-    if missing:
-        raise ValueError(f"checkpoint {ckpt} is incomplete, missing: {', '.join(missing)}")
+    state = checkpoint_state(ckpt)      # raises ValueError naming what is missing or wrong
     for name in ("policy", "critic"):
         weights = load_peft_weights(str(ckpt / "adapters" / name))
         set_peft_model_state_dict(model, weights, adapter_name=name)
@@ -160,7 +219,23 @@ def load_checkpoint(ckpt: Path, model, value_head, opt, restore_rng: bool = True
         opt.load_state_dict(trainer["optimizer"])
     if restore_rng:
         set_rng_state(trainer["rng"])
-    return json.loads((ckpt / "state.json").read_text())
+    return state
+
+
+def checkpoint_state(ckpt: Path) -> dict:
+    """state.json of a checkpoint folder, after checking that every file is there and that its
+    step is the folder's (step_000020 holds step 20); a ValueError says what is wrong."""
+    missing = [p for p in CHECKPOINT_FILES if not (ckpt / p).exists()]
+    if missing:
+        raise ValueError(f"checkpoint {ckpt} is incomplete, missing: {', '.join(missing)}")
+    try:
+        state = json.loads((ckpt / "state.json").read_text())
+        step = int(state["step"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"checkpoint {ckpt}: state.json is unreadable ({e!r})") from None
+    if ckpt.name != f"step_{step:06d}":
+        raise ValueError(f"checkpoint {ckpt}: state.json says step {step}, the folder another")
+    return state
 
 
 def latest_checkpoint(out: Path) -> Path | None:
@@ -168,15 +243,139 @@ def latest_checkpoint(out: Path) -> Path | None:
     return out / "checkpoints" / pointer.read_text().strip() if pointer.exists() else None
 
 
-def resume(out: Path, model, value_head, opt) -> int:
-    """--resume: restore out's latest checkpoint (adapters, value head, optimiser, RNG states);
-    return its step, 0 when there is none."""
-    ckpt = latest_checkpoint(out)
-    if ckpt is None:
+def checkpoints_newest_first(out: Path) -> list[Path]:
+    """The checkpoint folders of a run, newest first (the `latest` pointer's first)."""
+    folders = sorted((p for p in (out / "checkpoints").glob("step_*")
+                      if p.is_dir() and not p.name.endswith(".tmp")), reverse=True)
+    latest = latest_checkpoint(out)
+    return ([latest] if latest in folders else []) + [p for p in folders if p != latest]
+
+
+def intact_checkpoints(out: Path) -> list[tuple[Path, dict]]:
+    """(folder, state.json) of each complete checkpoint, newest first; a skipped one is printed."""
+    found = []
+    for ckpt in checkpoints_newest_first(out):
+        try:
+            found.append((ckpt, checkpoint_state(ckpt)))
+        except ValueError as e:
+            print(f"skipping {e}", file=sys.stderr)
+    return found
+
+
+# What --resume lets change; any other field must equal the checkpoint's config.
+RESUME_MAY_CHANGE = ("steps",                                               # run length
+                     "eval_every", "eval_first", "structure_every", "tensorboard",   # logging
+                     "save_every", "resume", "overwrite", "out_dir",                 # checkpoints
+                     "device", "cpu_threads", "memory_cap_gb",                       # the machine
+                     "micro_batch_size", "rollout_batch_size")                       # memory knobs
+RUN_FILES = ("config.json", "metrics.jsonl", "checkpoints", "tb")     # what a run writes
+
+
+def check_out_dir(cfg, config_cls) -> list[tuple[Path, dict]]:
+    """Before anything is loaded or written: a new run refuses a folder holding another run's
+    files unless --overwrite (which deletes them); --resume needs an intact checkpoint there and
+    refuses a config that changes anything but RESUME_MAY_CHANGE. Returns the intact checkpoints,
+    newest first, that --resume may start from (empty for a new run)."""
+    out = Path(cfg.out_dir)
+    if not cfg.resume:
+        used = [name for name in RUN_FILES if (out / name).exists()]
+        if used and not cfg.overwrite:
+            raise ConfigError(f"--out_dir {out} already holds a run ({', '.join(used)}): pass "
+                              "--resume to continue it, --overwrite to replace it, or another "
+                              "--out_dir")
+        for name in used:
+            shutil.rmtree(out / name) if (out / name).is_dir() else (out / name).unlink()
+        return []
+    if not (out / "checkpoints").is_dir():
+        raise ConfigError(f"--resume: no checkpoints in --out_dir {out} (mistyped? a run that "
+                          "stopped before its first checkpoint?): drop --resume, with --overwrite "
+                          "if the folder holds files")
+    intact = intact_checkpoints(out)
+    if not intact:
+        raise ConfigError(f"--resume: no intact checkpoint in {out / 'checkpoints'} (see the "
+                          "lines above); start again with --overwrite")
+    saved = intact[0][1].get("config", {})
+    defaults = {f.name: f.default for f in fields(config_cls) if f.init}
+    for name in defaults:
+        if name in RESUME_MAY_CHANGE or (name == "model" and cfg.preset != "default"):
+            continue            # a preset's model path is derived from preset, seed and options
+        before, now = saved.get(name, defaults[name]), getattr(cfg, name)
+        if before != now:
+            raise ConfigError(f"--resume: --{name} is {now!r} here but {before!r} in the run's "
+                              f"checkpoint {intact[0][0].name}: resume with the run's value or "
+                              "start a new run (another --out_dir); only "
+                              f"{', '.join(RESUME_MAY_CHANGE)} may change")
+    if saved.get("preset_options", {}) != cfg.preset_options:
+        raise ConfigError(f"--resume: the preset's options {cfg.preset_options} differ from the "
+                          f"run's {saved.get('preset_options')}; resume with the run's values")
+    return intact
+
+
+def resume(intact: list[tuple[Path, dict]], model, value_head, opt) -> int:
+    """--resume: restore the newest checkpoint that loads (adapters, value head, optimiser, RNG
+    states), falling back to older ones with a message; return its step (0 for a new run)."""
+    if not intact:
         return 0
-    step = load_checkpoint(ckpt, model, value_head, opt)["step"]
-    print(f"resumed from {ckpt} at step {step}")
-    return step
+    errors = []
+    for ckpt, _ in intact:
+        try:
+            step = load_checkpoint(ckpt, model, value_head, opt)["step"]
+        except Exception as e:          # a truncated safetensors / torch file: try the previous
+            errors.append(f"{ckpt.name}: {type(e).__name__}: {e}")
+            print(f"checkpoint {ckpt} does not load ({errors[-1]}); trying the previous one",
+                  file=sys.stderr)
+            continue
+        note = f" (the newest that loads; {len(errors)} newer skipped)" if errors else ""
+        print(f"resumed from {ckpt} at step {step}{note}")
+        return step
+    raise ConfigError("--resume: no checkpoint loads: " + "; ".join(errors))
+
+
+# What --eval_only takes from the command line; everything else from the evaluated run.
+EVAL_MAY_CHANGE = ("eval_only", "checkpoint", "eval_samples", "greedy_eval", "out_dir", "device",
+                   "cpu_threads", "memory_cap_gb", "rollout_batch_size")
+
+
+def eval_config(cfg, argv: list[str], config_cls):
+    """--eval_only: the config of the run that is evaluated (its seed picks the validation
+    questions and, on the CPU presets, the base model), with only EVAL_MAY_CHANGE taken from the
+    command line; a conflicting flag is an error. Returns (config, checkpoint folder or None for
+    'base')."""
+    if not cfg.checkpoint:
+        raise ConfigError("--eval_only needs --checkpoint (a checkpoint, a run folder or 'base')")
+    if cfg.checkpoint == "base":
+        return cfg, None
+    path = Path(cfg.checkpoint)
+    if (path / "state.json").exists():
+        ckpt, state = path, None
+    else:
+        intact = intact_checkpoints(path) if (path / "checkpoints").is_dir() else []
+        if not intact:
+            raise ConfigError(f"--checkpoint {path}: no checkpoint found there (a checkpoint "
+                              "folder, a run folder with checkpoints/, or 'base')")
+        ckpt, state = intact[0]
+    try:
+        state = state or checkpoint_state(ckpt)
+    except ValueError as e:
+        raise ConfigError(f"--checkpoint: {e}") from None
+    saved = dict(state.get("config", {}))
+    options = saved.pop("preset_options", {})
+    init = {f.name for f in fields(config_cls) if f.init}
+    given = given_flags(argv)
+    for name in sorted(given & init - set(EVAL_MAY_CHANGE)):
+        if name in saved and getattr(cfg, name) != saved[name]:
+            raise ConfigError(f"--eval_only takes its config from the evaluated run, whose "
+                              f"--{name} is {saved[name]!r}, not {getattr(cfg, name)!r}: drop "
+                              f"--{name}")
+    run_cfg = config_cls(**{k: v for k, v in saved.items() if k in init})
+    run_cfg.preset_options = options
+    for name in EVAL_MAY_CHANGE:
+        if name in given or name in ("eval_only", "checkpoint"):
+            setattr(run_cfg, name, getattr(cfg, name))
+    if "out_dir" not in given:          # next to the checkpoints it evaluates
+        run_cfg.out_dir = str(ckpt.parent.parent)
+    run_cfg.resume = run_cfg.overwrite = False
+    return run_cfg, ckpt
 
 
 # --- metrics.jsonl, TensorBoard, the stop flag ------------------------------------------------
@@ -188,9 +387,8 @@ class MetricsLog:
     def __init__(self, out: Path, step: int, tensorboard: bool):
         self.path, self.tb = out / "metrics.jsonl", None
         if step > 0:
-            lines = self.path.read_text().splitlines() if self.path.exists() else []
-            kept = [line + "\n" for line in lines if json.loads(line)["step"] <= step]
-            self.path.write_text("".join(kept))
+            rows = read_metrics(self.path)
+            self.path.write_text("".join(json.dumps(r) + "\n" for r in rows if r["step"] <= step))
         elif self.path.exists():
             self.path.unlink()
         if tensorboard:
@@ -208,6 +406,22 @@ class MetricsLog:
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """The rows of a metrics.jsonl; a torn line (a kill or a full disk mid-write) is skipped with
+    a warning naming the file and line."""
+    rows = []
+    lines = path.read_text().splitlines() if path.exists() else []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            print(f"warning: {path} line {i} is torn (an interrupted write); skipped",
+                  file=sys.stderr)
+    return rows
 
 
 class StopFlag:
@@ -251,7 +465,9 @@ def step_metrics(step: int, trajs: list, n: int, batch: dict, stats: dict, t_rol
 
 def log_line(row: dict, stats: dict) -> str:
     """The one line printed per step."""
-    val = f"{row['val/pass@1']:.3f}" if "val/pass@1" in row else "  -  "
+    # pass@1 counts episodes with reward > 0; with partial rewards (the testbed) the mean differs
+    val = (f"{row['val/pass@1']:.3f} reward {row['val/reward']:.3f}" if "val/pass@1" in row
+           else "  -  ")
     mem = f"{row['mem/peak_gb']:.1f} GB" if math.isfinite(row["mem/peak_gb"]) else "-"
     return (f"step {row['step']:4d} | reward {row['train/reward']:.3f} | val pass@1 {val} "
             f"| pi {stats.get('policy_loss', 0):+.4f} v {stats.get('value_loss', 0):.4f} "
@@ -298,26 +514,20 @@ def episode_stats(trajs: list, n: int, prefix: str) -> dict[str, float]:
     return out
 
 
-def eval_only(checkpoint: str, model, value_head, evaluate: Callable[[], dict],
+def eval_only(ckpt: Path | None, model, value_head, evaluate: Callable[[], dict],
               out: Path) -> dict:
-    """--eval_only: run `evaluate` on a checkpoint, a run folder's latest checkpoint or, with
-    'base', the untouched base model (adapters disabled); write out/eval_<name>.json."""
-    if not checkpoint:
-        raise ValueError("--eval_only needs --checkpoint (a checkpoint, a run folder or 'base')")
-    if checkpoint == "base":
+    """--eval_only: run `evaluate` on checkpoint `ckpt` or, for None ('base'), the untouched base
+    model (adapters disabled); write out/eval_<name>.json (eval_config resolved the checkpoint)."""
+    if ckpt is None:
         with model.disable_adapter():
             row = evaluate()
         name = "base"
     else:
-        ckpt = Path(checkpoint)
-        if not (ckpt / "state.json").exists():          # a run folder: take its latest checkpoint
-            ckpt = latest_checkpoint(ckpt) or ckpt
-        if not ckpt.exists():
-            raise ValueError(f"--checkpoint {checkpoint}: no checkpoint found there")
         load_checkpoint(ckpt, model, value_head, None, restore_rng=False)
         row = evaluate()
         name = ckpt.name
-    row = {"checkpoint": str(checkpoint), **row}
+    row = {"checkpoint": str(ckpt) if ckpt else "base", **row}
+    out.mkdir(parents=True, exist_ok=True)
     (out / f"eval_{name}.json").write_text(json.dumps(row, indent=1))
     print(json.dumps(row, indent=1))
     return row

@@ -41,9 +41,10 @@ from torch.utils.checkpoint import checkpoint
 import mpo
 import presets
 import search_env
-from run_utils import (MetricsLog, StopFlag, cpu_4bit_workaround, data_order, episode_stats,
-                       eval_only, load_tokenizer, log_line, parse_with_presets, resume,
-                       save_checkpoint, seed_everything, setup_device, start_step, step_metrics)
+from run_utils import (ConfigError, MetricsLog, StopFlag, check_out_dir, cpu_4bit_workaround,
+                       data_order, episode_stats, eval_config, eval_only, load_tokenizer,
+                       log_line, parse_with_presets, resume, save_checkpoint, seed_everything,
+                       setup_device, start_step, step_metrics)
 
 VARIANTS = ("mpo", "mpo_token_is", "mpo_beta0", "ppo", "grpo", "gspo", "vapo")
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -64,7 +65,8 @@ class Config:
     seed: int = arg(0, "seed for sampling, data order and initialisation")
     steps: int = arg(150, "policy updates (§10: 100-150 steps)")
     out_dir: str = arg("", "run folder (default runs/<variant>-s<seed>)")
-    resume: bool = arg(False, "continue from the latest checkpoint in out_dir")
+    resume: bool = arg(False, "continue from the latest checkpoint in out_dir (same config)")
+    overwrite: bool = arg(False, "start again in an out_dir that holds a run, deleting its files")
     # --- model ---
     model: str = arg("Qwen/Qwen2.5-1.5B-Instruct", "hub id or path; Qwen/Qwen3-4B fits 24 GB too")
     load_in_4bit: bool = arg(True, "NF4 base weights via bitsandbytes (QLoRA)")
@@ -126,7 +128,7 @@ class Config:
     memory_cap_gb: float = arg(0.0, "cap GPU memory, e.g. 24 to check the budget on a larger GPU")
     preset_options: dict = field(default_factory=dict, init=False)   # not a flag: Preset.options
 
-    def __post_init__(self):
+    def __post_init__(self):            # counts and ranges: run_utils.check_config
         for flag, allowed in (("variant", VARIANTS), ("preset", tuple(presets.PRESETS)),
                               ("dataset", ("synthetic", "hotpotqa", "testbed"))):
             if getattr(self, flag) not in allowed:
@@ -143,8 +145,14 @@ class Config:
 
 
 def parse_config(argv=None) -> Config:
-    """Config from argv (default sys.argv) with the preset's overrides and its own flags."""
-    return parse_with_presets(Config, argv)
+    """Config from argv (default sys.argv) with the preset's overrides and its own flags; a bad
+    value raises ConfigError (a ValueError) naming the flag."""
+    try:
+        return parse_with_presets(Config, argv)
+    except ConfigError:
+        raise
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 # --- Model: 4-bit base, "policy" and "critic" LoRA adapters, value head ------------------------
@@ -449,6 +457,10 @@ def rollout(model, tok, suite: Suite, tasks: list, cfg: Config, n: int,
             env = suite.make_env(task)
             msgs = env.reset()
             ids = render_ids(tok, msgs, cfg.enable_thinking)
+            if len(ids) + cfg.max_new_tokens > cfg.max_total_tokens:   # no room for one turn
+                raise ConfigError(f"--max_total_tokens {cfg.max_total_tokens} leaves no room for "
+                                  f"a turn: the prompt has {len(ids)} tokens and a turn up to "
+                                  f"--max_new_tokens {cfg.max_new_tokens}")
             trajs.append(Trajectory(ids, [-1] * len(ids), msgs, env, g))
     for turn in range(cfg.max_turns):
         for t in trajs:                 # the next turn would not fit: end as truncated, reward 0
@@ -608,10 +620,18 @@ def evaluate(model, tok, suite: Suite, cfg: Config) -> dict[str, float]:
 
 # --- Main: one iteration = rollout, advantages, update, evaluation / log / checkpoint ---------
 def main(argv=None) -> dict:
-    try:
-        cfg = parse_config(argv)
-    except ValueError as e:             # a bad flag: one line naming it, no traceback
+    try:                                # a bad flag or run folder: one line naming it, no traceback
+        return train(sys.argv[1:] if argv is None else list(argv))
+    except ConfigError as e:
         raise SystemExit(f"train_min.py: {e}") from None
+
+
+def train(argv: list[str]) -> dict:
+    cfg = parse_config(argv)            # then, before any model is loaded or file written:
+    if cfg.eval_only:                   # the evaluated run's config, its checkpoint
+        cfg, ckpt = eval_config(cfg, argv, Config)
+    else:                               # a used folder needs --overwrite; --resume, the same config
+        intact = check_out_dir(cfg, Config)
     device = setup_device(cfg)          # exits 2 with a hint when the default run finds no GPU
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -622,10 +642,9 @@ def main(argv=None) -> dict:
     tok, model, value_head = load_model(cfg, device)
     opt = make_optimizer(model, value_head, cfg)
     if cfg.eval_only:
-        return eval_only(cfg.checkpoint, model, value_head,
-                         lambda: evaluate(model, tok, suite, cfg), out)
+        return eval_only(ckpt, model, value_head, lambda: evaluate(model, tok, suite, cfg), out)
     (out / "config.json").write_text(json.dumps(asdict(cfg), indent=1))
-    step = resume(out, model, value_head, opt) if cfg.resume else 0
+    step = resume(intact, model, value_head, opt)    # the newest checkpoint that loads; 0: new
     log = MetricsLog(out, step, cfg.tensorboard)     # metrics.jsonl: the rows up to `step`
     if step == 0 and cfg.eval_first:    # the starting point every later value is compared to
         row = {"step": 0, **evaluate(model, tok, suite, cfg)}

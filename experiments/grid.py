@@ -116,9 +116,8 @@ def is_finished(job: dict) -> bool:
 
 def last_step(out: Path) -> int:
     """The step of the last row in the run's metrics.jsonl (0 when there is none)."""
-    f = out / "metrics.jsonl"
-    rows = [json.loads(line) for line in f.read_text().splitlines() if line.strip()] \
-        if f.exists() else []
+    import run_utils
+    rows = run_utils.read_metrics(out / "metrics.jsonl")     # a torn last line is skipped
     return rows[-1]["step"] if rows else 0
 
 
@@ -159,7 +158,7 @@ def run_one(job: dict) -> dict:
     t0 = time.perf_counter()
     with open(out / "log.txt", "a" if resume else "w") as log, \
             contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
-        row = train(job["argv"] + (["--resume"] if resume else []))
+        row = train(job["argv"] + (["--resume"] if resume else ["--overwrite"]))
         reached = row.get("step", 0) if row else last_step(out)
         marker.update(step=reached, finished=reached == steps,
                       wall_s=time.perf_counter() - t0 + (previous.get("wall_s", 0.0) if resume
