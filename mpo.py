@@ -198,8 +198,11 @@ def reverse_scan(b: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
     return _reverse_scan(b, a, scratch=False)
 
 
-def _reverse_scan(b: torch.Tensor, a: torch.Tensor, scratch: bool) -> torch.Tensor:
+def _reverse_scan(b: torch.Tensor, a: torch.Tensor, scratch: bool, span: int | None = None):
     """reverse_scan; with scratch=True it may overwrite b and a (the caller's temporaries).
+
+    span: an upper bound on the length of the segments a cuts (runs of non-zero decays, plus
+    one): ⌈log2 span⌉ doubling steps then reach every segment's end, instead of ⌈log2 n⌉.
 
     Each step writes into a second buffer (x_i + a_i x_{i+d} reads x_{i+d}, which the step also
     updates), so the products are formed straight into their destination, without temporaries.
@@ -207,13 +210,14 @@ def _reverse_scan(b: torch.Tensor, a: torch.Tensor, scratch: bool) -> torch.Tens
     n, d = b.shape[-1], 1
     if n <= 1:
         return b if scratch else b.clone()
+    stop = n if span is None else min(n, max(int(span), 1))
     x_in, a_in = b.contiguous(), a.contiguous()
     x_out, a_out = torch.empty_like(x_in), torch.empty_like(a_in)
-    while d < n:
+    while d < stop:
         torch.addcmul(x_in[..., :-d], a_in[..., :-d], x_in[..., d:], out=x_out[..., :-d])
         x_out[..., -d:] = x_in[..., -d:]                # complete: their sums reach the end
         reuse = scratch or d > 1                        # b and a are the caller's unless scratch
-        if 2 * d < n:                                   # a_i = a_i...a_{i+2d-1}; for i >= n - d
+        if 2 * d < stop:                                # a_i = a_i...a_{i+2d-1}; for i >= n - d
             torch.mul(a_in[..., :-d], a_in[..., d:], out=a_out[..., :-d])   # the window passes the
             a_in, a_out = a_out, a_in if reuse else torch.empty_like(a_in)  # end: never read again
         x_in, x_out = x_out, x_in if reuse else torch.empty_like(x_in)
@@ -528,7 +532,8 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> tor
 
 def mpo_advantages(rewards: torch.Tensor, values: torch.Tensor, turn_ids: torch.Tensor,
                    lam: float = 0.8, lam_intra: float = 0.95, beta: float = 1.0, whiten: bool = True,
-                   *, num_turns: int | None = None, critic_target: str = "mae",
+                   *, num_turns: int | None = None, max_turn_len: int | None = None,
+                   critic_target: str = "mae",
                    validate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Algorithm 1: MPO advantages, (M1)–(M4) and Eq. (20) composed, then (M5) whitening (§5).
 
@@ -543,6 +548,8 @@ def mpo_advantages(rewards: torch.Tensor, values: torch.Tensor, turn_ids: torch.
         num_turns: an upper bound on any row's turn count (e.g. your environment's turn limit).
             Without it, validation reads the exact count, and with validate=False the turn axis
             is T wide (no sync, but a longer scan); with it, neither.
+        max_turn_len: an upper bound on any turn's token count (e.g. the generation budget of one
+            turn); the intra-turn scan then takes ⌈log2 max_turn_len⌉ steps instead of ⌈log2 T⌉.
         critic_target: what `returns` holds, the critic's regression target (the notes leave
             it open): "mae" = values + A^MAE before whitening (PPO's advantages + values with the
             MPO advantage; depends on β); "lambda_return" = `multiscale_lambda_returns`.
@@ -559,6 +566,12 @@ def mpo_advantages(rewards: torch.Tensor, values: torch.Tensor, turn_ids: torch.
         K = _validate_rewards_values(rewards, values, turn_ids)
         if num_turns is not None and num_turns < K:
             raise ValueError(f"num_turns={num_turns} but turn_ids holds {K} turns")
+        if max_turn_len is not None:
+            longest = int(_per_turn_sum((turn_ids >= 0).long(), turn_ids, K).amax()) if K else 0
+            if isinstance(max_turn_len, bool) or not isinstance(max_turn_len, numbers.Integral) \
+                    or max_turn_len < max(longest, 1):
+                raise ValueError(f"max_turn_len must be a whole number >= the longest turn "
+                                 f"({longest} tokens), got {max_turn_len!r}")
     else:
         K = turn_ids.shape[1]                      # an upper bound on the turn count: no sync
         lam, lam_intra, beta = (x if isinstance(x, (int, float)) else float(x)   # numpy, 0-dim
@@ -594,7 +607,7 @@ def mpo_advantages(rewards: torch.Tensor, values: torch.Tensor, turn_ids: torch.
                              scratch=True)                                     # (B, K)
     # 4. (M4) intra-turn traces: the scan with decay λ_intra inside a turn, 0 at its end
     decay = torch.where(inside, torch.as_tensor(lam_intra, dtype=dtype, device=v.device), zero)
-    adv_intra = _reverse_scan(delta, decay, scratch=True)                     # (B, T)
+    adv_intra = _reverse_scan(delta, decay, scratch=True, span=max_turn_len)  # (B, T)
     # 5. Eq. (20): A^MAE = (A^turn_t − β mean_i A^intra_{t,i}) + β A^intra, one gather
     mean_intra = torch.zeros_like(v_start).scatter_add_(1, idx, adv_intra) / length.clamp(min=1)
     base = F.pad(adv_turn, (0, 1)) - beta * mean_intra                         # (B, K + 1)
@@ -834,7 +847,7 @@ def token_gae(rewards: torch.Tensor, values: torch.Tensor, action_mask: torch.Te
         _validate_action_mask(rewards, values, action_mask)
     act = action_mask.bool()
     delta, v = _masked_token_residuals(rewards, values, act, gamma)           # (B, T), (B, T)
-    adv = _token_trace(delta, act, gamma * lam)                                # (B, T)
+    adv = _token_trace(delta, act, gamma * lam, scratch=True)                  # (B, T)
     returns = torch.where(act, v + adv, torch.zeros_like(v))
     if whiten:
         adv = masked_whiten(adv, act)
@@ -861,11 +874,14 @@ def _masked_token_residuals(rewards, values, act, gamma) -> tuple[torch.Tensor, 
     return torch.where(act, r + gamma * _next_action_value(v, act) - v, zero), v
 
 
-def _token_trace(delta: torch.Tensor, act: torch.Tensor, decay) -> torch.Tensor:
-    """A_p = δ_p + decay · A_next(p) over action tokens; decay a number or a (B, 1) tensor."""
+def _token_trace(delta: torch.Tensor, act: torch.Tensor, decay, scratch: bool = False):
+    """A_p = δ_p + decay · A_next(p) over action tokens; decay a number or a (B, 1) tensor.
+    scratch: delta may be overwritten."""
     decay = torch.as_tensor(decay, dtype=delta.dtype, device=delta.device)
     a = torch.where(act, decay, torch.ones((), dtype=delta.dtype, device=delta.device))  # skip obs
-    return torch.where(act, reverse_scan(delta, a.expand_as(delta)), torch.zeros_like(delta))
+    if not scratch:
+        delta = delta.clone()
+    return _reverse_scan(delta, a.expand_as(delta), scratch=True).masked_fill_(~act, 0)  # (B, T)
 
 
 def vapo_advantages(rewards: torch.Tensor, values: torch.Tensor, action_mask: torch.Tensor,
@@ -896,7 +912,7 @@ def vapo_advantages(rewards: torch.Tensor, values: torch.Tensor, action_mask: to
     length = act.sum(dim=1, keepdim=True).to(delta.dtype)                      # (B, 1) l_b
     lam = (1 - 1 / (alpha * length.clamp(min=1))).clamp(0, 1)                  # (B, 1) λ_b
     adv = _token_trace(delta, act, lam)                                        # (B, T)
-    returns = torch.where(act, v + _token_trace(delta, act, critic_lam), torch.zeros_like(v))
+    returns = v + _token_trace(delta, act, critic_lam, scratch=True)          # (B, T), 0 off
     if whiten:
         adv = masked_whiten(adv, act)
     return adv, returns

@@ -40,3 +40,26 @@ def test_reverse_scan_by_hand():
     assert x.tolist() == [1.75, 1.5, 1.0]
     x = mpo.reverse_scan(torch.tensor([1.0, 2.0, 3.0, 4.0]), torch.tensor([1.0, 0.0, 1.0, 9.0]))
     assert x.tolist() == [3.0, 2.0, 7.0, 4.0]                  # a = 0 cuts, the last a is unused
+
+
+def test_max_turn_len_shortens_the_scan_without_changing_a_number():
+    """mpo_advantages(max_turn_len=L): the intra-turn scan stops after ⌈log2 L⌉ steps; any bound
+    >= the longest turn gives the same numbers, a smaller one is refused."""
+    from conftest import Layout, RowLayout, make_batch
+    b = make_batch(Layout([RowLayout(3, [5, 1, 7], [2, 3, 1], False),
+                           RowLayout(0, [2, 6], [4, 0], True)], extra_pad=9), seed=3)
+    full = mpo.mpo_advantages(b.rewards, b.values, b.turn_ids)
+    for bound in (7, 8, 9, 100):
+        for validate in (True, False):
+            got = mpo.mpo_advantages(b.rewards, b.values, b.turn_ids, max_turn_len=bound,
+                                     validate=validate)
+            assert all(torch.equal(g, f) for g, f in zip(got, full)), (bound, validate)
+    # a bound below the longest turn (7) would cut it: refused under validation, and wrong without
+    for bad in (6, 0, 2.5, True):
+        try:
+            mpo.mpo_advantages(b.rewards, b.values, b.turn_ids, max_turn_len=bad)
+            raise AssertionError(f"max_turn_len={bad} accepted")
+        except ValueError as e:
+            assert "max_turn_len" in str(e) and "7 tokens" in str(e)
+    short = mpo.mpo_advantages(b.rewards, b.values, b.turn_ids, max_turn_len=2, validate=False)
+    assert not torch.equal(short[0], full[0])

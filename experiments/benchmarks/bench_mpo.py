@@ -26,6 +26,9 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))  # run from
 import mpo  # noqa: E402
 
 
+MAX_TURN_LEN = 400                    # make_batch's turns are 20-399 tokens long
+
+
 def make_batch(B, T, device, seed=0):
     """A multi-turn batch: prompt, then turns of 20-400 tokens separated by 30-300 observation tokens."""
     g = torch.Generator().manual_seed(seed)
@@ -68,12 +71,15 @@ def sync(device):
         torch.cuda.synchronize()
 
 
+CLOCK = time.perf_counter          # --clock cpu: time.process_time, this process's CPU time only
+
+
 def timed(fn, device):
     sync(device)
-    t0 = time.perf_counter()
+    t0 = CLOCK()
     fn()
     sync(device)
-    return time.perf_counter() - t0
+    return CLOCK() - t0
 
 
 def compare(fns, device, repeats):
@@ -115,6 +121,8 @@ def bench_advantages(B, T, device, repeats):
         "loop_gae": lambda: loop_gae(rewards, values, act),
         "mpo_advantages": lambda: mpo.mpo_advantages(rewards, values, turn_ids, num_turns=K, validate=False),
         "mpo_advantages+validate": lambda: mpo.mpo_advantages(rewards, values, turn_ids),
+        "mpo_advantages+L": lambda: mpo.mpo_advantages(rewards, values, turn_ids, num_turns=K,
+                                                       max_turn_len=MAX_TURN_LEN, validate=False),
         "token_gae": lambda: mpo.token_gae(rewards, values, act, validate=False),
     }, device, repeats)
     return t
@@ -139,16 +147,26 @@ def main():
     ap.add_argument("--quick", action="store_true", help="small shapes (smoke run)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="cpu: this process's CPU time (time.process_time), which other jobs on a "
+                         "shared machine do not inflate; use it with --threads 1 (CPU only)")
     args = ap.parse_args()
+    global CLOCK
+    if args.clock == "cpu":
+        if torch.cuda.is_available() or args.threads != 1:
+            raise SystemExit("bench_mpo.py: --clock cpu needs --threads 1 and no GPU")
+        CLOCK = time.process_time
     if args.threads:
         torch.set_num_threads(args.threads)
     shapes = [(8, 512)] if args.quick else [(64, 4096), (256, 8192), (64, 32768)]
     devices = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
     print(f"torch {torch.__version__}, {platform.processor() or platform.machine()}, "
-          f"{torch.get_num_threads()} threads, median of {args.repeats} interleaved repeats, float32")
-    print("mem: memory-bound time; fast: mpo_advantages(validate=False, num_turns=K); default: "
-          "the default call (validate=True); loop: per-token loop GAE; loss: policy_loss fwd+bwd")
-    print(f"{'device':6} {'B':>4} {'T':>5} {'GB/s':>5} | {'mem':>7} {'fast':>8} {'default':>8} "
+          f"{torch.get_num_threads()} threads, {args.clock} clock, median of {args.repeats} "
+          f"interleaved repeats, float32")
+    print("mem: memory-bound time; fast: mpo_advantages(validate=False, num_turns=K); fast,L: "
+          "the same with max_turn_len=400; default: the default call (validate=True); loop: "
+          "per-token loop GAE; loss: policy_loss fwd+bwd")
+    print(f"{'device':6} {'B':>4} {'T':>5} {'GB/s':>5} | {'mem':>7} {'fast':>8} {'fast,L':>8} {'default':>8} "
           f"{'loop':>8} {'tok_gae':>8} | {'fast/mem':>8} {'dflt/fast':>9} {'loop/fast':>9} | "
           f"{'loss mem':>8} {'token':>8} {'turn':>8} {'seq':>8} {'turn/tok':>8} {'tok/mem':>7}")
     for device in devices:
@@ -159,7 +177,8 @@ def main():
             mem, mem_loss = B * T * BYTES_ADV / bandwidth, B * T * BYTES_LOSS / bandwidth
             fast = a["mpo_advantages"]
             print(f"{device.type:6} {B:>4} {T:>5} {bandwidth / 1e9:5.1f} | {mem*1e3:5.2f}ms "
-                  f"{fast*1e3:6.1f}ms {a['mpo_advantages+validate']*1e3:6.1f}ms "
+                  f"{fast*1e3:6.1f}ms {a['mpo_advantages+L']*1e3:6.1f}ms "
+                  f"{a['mpo_advantages+validate']*1e3:6.1f}ms "
                   f"{a['loop_gae']*1e3:6.0f}ms {a['token_gae']*1e3:6.1f}ms | {fast/mem:7.1f}x "
                   f"{a['mpo_advantages+validate']/fast:8.2f}x {a['loop_gae']/fast:8.1f}x | "
                   f"{mem_loss*1e3:6.2f}ms {l['token']*1e3:6.1f}ms {l['turn']*1e3:6.1f}ms "
