@@ -166,8 +166,9 @@ def check_config(config) -> None:
     """Everything MPO needs from a full verl config, checked before any worker starts."""
     algo, actor = config.algorithm, config.actor_rollout_ref.actor
     if algo.adv_estimator != MPO:
-        raise ValueError(f"trainer.v1.trainer_mode={MPO} is the trainer for algorithm.adv_estimator=mpo, "
-                         f"got adv_estimator={algo.adv_estimator!r}; use trainer_mode=sync for it")
+        raise ValueError(f"trainer.v1.trainer_mode={config.trainer.v1.trainer_mode} is an MPO trainer mode, for "
+                         f"algorithm.adv_estimator=mpo; got adv_estimator={algo.adv_estimator!r}: use "
+                         "verl's own trainer_mode (sync, colocate_async, separate_async) for it")
     if float(algo.gamma) != 1.0:
         raise ValueError(f"MPO is undiscounted (γ = 1): set algorithm.gamma=1.0, got {algo.gamma}")
     if config.critic.get("enable") is not True:

@@ -9,5 +9,5 @@ import logging
 try:
     import mpo_verl  # noqa: F401  (registers the "mpo" estimator, loss and trainer modes)
 except Exception:
-    logging.getLogger("mpo_verl").exception("mpo_verl: the verl plugin failed to load")
+    logging.getLogger("verl.mpo_verl").exception("mpo_verl: the verl plugin failed to load")
     raise

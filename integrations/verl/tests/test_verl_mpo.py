@@ -188,6 +188,16 @@ def test_plugin_entry_point_and_trainer_modes_are_registered_without_patching_ve
     assert v1_utils.compute_advantage is ray_trainer.compute_advantage
 
 
+def test_plugin_that_fails_to_import_says_so_at_error_level(monkeypatch, caplog):
+    # verl 0.9.1 swallows an entry point's exception (DEBUG log); _plugin.py logs it as an ERROR.
+    import runpy
+
+    monkeypatch.setitem(sys.modules, "mpo_verl", None)                   # `import mpo_verl` fails
+    with caplog.at_level("ERROR"), pytest.raises(ImportError):
+        runpy.run_path(str(VERL_DIR / "mpo_verl" / "_plugin.py"))
+    assert [r.levelname for r in caplog.records if "plugin failed to load" in r.message] == ["ERROR"]
+
+
 def test_mirrored_verl_method_is_the_one_of_verl_0_9_1():
     # MPOAdvantage._compute_advantage mirrors PPOTrainer._compute_advantage of verl 0.9.1 step
     # by step. If verl changes that method, this fails first: re-read it and update the mirror.
@@ -590,7 +600,7 @@ def test_example_config_has_no_env_interpolation_home_path_or_runtime_env():
     ("algorithm.gamma=0.99", "algorithm.gamma=1.0"),
     ("critic.enable=false", "critic.enable=true"),
     ("actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean", "loss_agg_mode"),
-    ("algorithm.adv_estimator=gae", "trainer_mode=sync"),
+    ("algorithm.adv_estimator=gae", "verl's own trainer_mode"),
     ("algorithm.rollout_correction.rollout_rs=token_k1", "rollout_rs='token_k1'"),
     ("algorithm.mpo.lam_intra=2", r"algorithm\.mpo\.lam_intra"),
 ])
