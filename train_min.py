@@ -90,7 +90,8 @@ class Config:
     lam: float = arg(0.80, "λ, turn-level GAE (§7)")
     lam_intra: float = arg(0.95, "λ_intra, intra-turn trace (§7)")
     beta: float = arg(1.00, "β, centred intra-turn correction (§7); mpo_beta0 sets 0")
-    critic_target: str = arg("mae", "MPO critic target: mae (V + A^MAE) | lambda_return")
+    critic_target: str = arg("lambda_return", "MPO critic target: lambda_return (measured "
+                             "better: docs/equations.md) | mae (V + A^MAE)")
     ppo_lam: float = arg(0.95, "λ of the PPO baseline's token GAE")
     vapo_alpha: float = arg(0.05, "VAPO: policy λ = 1 - 1/(α·l), l = response tokens")
     vapo_value_steps: int = arg(50, "VAPO: first N updates train the critic only (VAPO: 50)")

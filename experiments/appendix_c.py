@@ -12,14 +12,16 @@ nn.Linear initialisation (seed 0): the structure the base model's hidden states 
 the check §9 asks for (the trained critic against one that learned nothing). Pass a PPO run
 next to an MPO run (same preset) to compare the two critics on the same trajectories.
 
-Prints, per critic, the five statistics of `mpo.turn_value_structure` in percent and the rows
-they use; per run, the same pooled over all its checkpoints (the paper pools 2,048 trajectories
+Prints, per critic, the five statistics of `mpo.turn_value_structure` in percent, the rows
+they use and the critic's explained variance against the outcome R(τ), every action token's
+Monte Carlo return (γ = 1, outcome reward: the same yardstick whatever the critic's target); per run, the same pooled over all its checkpoints (the paper pools 2,048 trajectories
 over 8 checkpoints); and the paper's row. Runs must share the model and the preset.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -35,7 +37,7 @@ import train_min as tm  # noqa: E402
 STATS = ("between_share_token_median", "between_share_equal_median", "between_exceeds_within_frac",
          "boundary_share_sq_changes", "boundary_jump_exceeds_span_frac")
 HEADER = ("| critic | between share (token) | (equal) | between > within | boundary share of Δv² "
-          "| jump > span | rows | turns |\n|---|---|---|---|---|---|---|---|")
+          "| jump > span | rows | turns | EV vs R(τ) |\n|---|---|---|---|---|---|---|---|---|")
 
 
 def run_config(run: Path) -> tm.Config:
@@ -47,9 +49,11 @@ def run_config(run: Path) -> tm.Config:
     return cfg
 
 
-def row(name: str, s: dict) -> str:
+def row(name: str, s: dict, ev: float = math.nan) -> str:
     cells = [f"{100 * s[k]:.1f}" if s[k] == s[k] else "–" for k in STATS]      # NaN: no row
-    return f"| {name} | " + " | ".join(cells) + f" | {s['n_trajectories']} | {s['n_turns']} |"
+    ev_cell = f"{ev:.3f}" if ev == ev else "–"
+    return (f"| {name} | " + " | ".join(cells) + f" | {s['n_trajectories']} | {s['n_turns']} "
+            f"| {ev_cell} |")
 
 
 def values_of(model, value_head, batch, cfg) -> torch.Tensor:
@@ -78,6 +82,7 @@ def main(argv=None) -> str:
     trajs = tm.rollout(model, tok, suite, suite.val, cfg0, args.episodes)
     batch = tm.collate(trajs, tok.pad_token_id, device)
     tid = batch["turn_ids"]
+    outcome = torch.where(tid >= 0, batch["scores"][:, None].float(), 0.0)   # (B, T) the return
     lines = [f"{len(trajs)} trajectories sampled by {first}", "", HEADER]
     for run in args.runs:
         cfg = run_config(run)
@@ -91,7 +96,8 @@ def main(argv=None) -> str:
             run_utils.load_checkpoint(ckpt, model, value_head, None, restore_rng=False)
             v = values_of(model, value_head, batch, cfg)
             pooled.append(v)
-            lines.append(row(f"{run} {ckpt.name}", mpo.turn_value_structure(v, tid)))
+            lines.append(row(f"{run} {ckpt.name}", mpo.turn_value_structure(v, tid),
+                             float(mpo.explained_variance(v, outcome, tid))))
         if len(pooled) > 1:
             s = mpo.turn_value_structure(pooled, [tid] * len(pooled))
             lines.append(row(f"{run}, {len(pooled)} checkpoints pooled", s))
@@ -99,8 +105,9 @@ def main(argv=None) -> str:
         _, model, value_head = tm.load_model(cfg0, device)
         torch.manual_seed(0)
         value_head.linear.reset_parameters()                   # nn.Linear's default init
-        lines.append(row("fresh critic (base model, random head)",
-                         mpo.turn_value_structure(values_of(model, value_head, batch, cfg0), tid)))
+        v = values_of(model, value_head, batch, cfg0)
+        lines.append(row("fresh critic (base model, random head)", mpo.turn_value_structure(v, tid),
+                         float(mpo.explained_variance(v, outcome, tid))))
     lines.append(row("paper (Appendix C)", mpo.PAPER_TURN_VALUE_STRUCTURE))
     text = "\n".join(lines)
     print(text)
