@@ -588,8 +588,12 @@ def mpo_advantages(rewards: torch.Tensor, values: torch.Tensor, turn_ids: torch.
     v = torch.where(act, values.to(dtype), zero)                               # (B, T) masked once
     r = torch.where(act, rewards.to(dtype), zero)                              # (B, T)
     idx = torch.where(act, turn_ids, K)                                        # (B, T) -1 -> K
-    inside = act & (F.pad(turn_ids[:, 1:], (0, 1), value=-1) == turn_ids)      # p + 1 in p's turn
-    first = act & (F.pad(turn_ids[:, :-1], (1, 0), value=-1) != turn_ids)     # a turn's first token
+    same = torch.empty_like(act)                                               # (B, T) shifts by
+    torch.eq(turn_ids[:, 1:], turn_ids[:, :-1], out=same[:, :-1])              # slicing, no padded
+    same[:, -1:] = False                                                       # copies: same[p] =
+    inside = same.logical_and_(act)                                            # p + 1 in p's turn
+    first = act.clone()                                                        # a turn's first token
+    first[:, 1:] &= ~inside[:, :-1]
     # 1. turn-start values V_{t,1}, token counts L_t and reward sums, (B, K + 1) with column K = 0
     v_start = torch.zeros(v.shape[0], K + 2, dtype=dtype, device=v.device)
     v_start = v_start.scatter_(1, torch.where(first, turn_ids, K + 1), v)[:, :K + 1]  # (B, K + 1)
@@ -597,7 +601,8 @@ def mpo_advantages(rewards: torch.Tensor, values: torch.Tensor, turn_ids: torch.
     r_turn = torch.zeros_like(v_start).scatter_add_(1, idx, r)                 # (B, K + 1)
     v_next_start = F.pad(v_start[:, 1:], (0, 1))                               # (B, K + 1)
     # 2. (M1) δ_{t,i} = r + V_next − V: v[p + 1] inside a turn, V_{t+1,1} on its last token
-    v_next = torch.where(inside, F.pad(v[:, 1:], (0, 1)), torch.gather(v_next_start, 1, idx))
+    v_next = torch.gather(v_next_start, 1, idx)                                # (B, T)
+    torch.where(inside[:, :-1], v[:, 1:], v_next[:, :-1], out=v_next[:, :-1])
     delta = v_next.add_(r).sub_(v)                                             # (B, T), 0 off turns
     # 3. (M2) telescoped, δ^turn_t = Σ_i r_{t,i} + V_{t+1,1} − V_{t,1}, and (M3) A^turn
     delta_turn = (r_turn + v_next_start - v_start)[:, :K]                       # (B, K)
