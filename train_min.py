@@ -528,7 +528,7 @@ def score_batch(model, value_head, batch, cfg: Config) -> None:
 
 
 # --- Advantages: everything algorithmic comes from mpo.py --------------------------------------
-def compute_advantages(batch, cfg: Config, step: int = 0) -> None:
+def compute_advantages(batch, cfg: Config) -> None:
     turn_ids, values, scores = batch["turn_ids"], batch["values"], batch["scores"]
     rewards = mpo.outcome_rewards(scores, turn_ids)               # (B, T): R(τ) on the last token
     if cfg.variant in ("mpo", "mpo_token_is", "mpo_beta0"):          # MPO: Eq. (20) advantages
@@ -537,7 +537,7 @@ def compute_advantages(batch, cfg: Config, step: int = 0) -> None:
                                       critic_target=cfg.critic_target)
     elif cfg.variant == "vapo":                     # VAPO: critic λ = 1, policy λ length-adaptive
         adv, ret = mpo.vapo_advantages(rewards, values, turn_ids >= 0, alpha=cfg.vapo_alpha)
-        if step < cfg.vapo_value_steps:             # value pretraining: no policy gradient
+        if batch.get("step", 0) < cfg.vapo_value_steps:    # value pretraining: no policy grad
             adv = torch.zeros_like(adv)
     elif cfg.variant == "ppo":                                       # token GAE baseline
         adv, ret = mpo.token_gae(rewards, values, turn_ids >= 0, lam=cfg.ppo_lam)
@@ -667,7 +667,8 @@ def train(argv: list[str]) -> dict:
         score_batch(model, value_head, batch, cfg)
         t_rollout = time.perf_counter() - t0
         # --- advantages ---
-        compute_advantages(batch, cfg, step)                         # MPO: Eq. (20) advantages
+        batch["step"] = step                # VAPO's value pretraining reads it
+        compute_advantages(batch, cfg)                               # MPO: Eq. (20) advantages
         # --- update ---
         stats = update(model, value_head, opt, batch, cfg)
         t_step = time.perf_counter() - t0

@@ -86,8 +86,8 @@ def test_train_min_vapo_variant_pretrains_the_value_then_uses_vapo_advantages():
     scores = torch.tensor([1.0, 0.0])
     expected = mpo.vapo_advantages(mpo.outcome_rewards(scores, tid), values, tid >= 0, alpha=0.05)
     for step, zero in ((0, True), (1, True), (2, False)):
-        batch = {"turn_ids": tid, "values": values, "scores": scores}
-        train_min.compute_advantages(batch, cfg, step)
+        batch = {"turn_ids": tid, "values": values, "scores": scores, "step": step}
+        train_min.compute_advantages(batch, cfg)
         assert torch.equal(batch["returns"], expected[1])
         assert torch.equal(batch["advantages"], torch.zeros_like(values) if zero else expected[0])
     assert torch.equal(expected[1][0, [1, 2, 4, 5]], torch.ones(4))     # R = 1 on every token
