@@ -183,21 +183,6 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
 # The one loop primitive: a reverse linear recurrence solved in log2(T) vectorised steps.
 # ---------------------------------------------------------------------------------------------
 
-def reverse_scan(b: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
-    """Solve x_i = b_i + a_i * x_{i+1} (x past the end = 0) along the last dimension.
-
-    Every GAE in this file is this recurrence: `b` is the residual and `a` the decay linking
-    position i to i + 1 (λ inside a segment, 0 where a segment ends, 1 to pass through a skipped
-    position). Solved by recursive doubling (Hillis & Steele, 1986): after the step with offset d,
-    x_i holds the sum over the next 2d positions and a_i the product of their decays, so
-    ceil(log2 T) vectorised steps replace a Python loop over T positions. No division, so it is
-    as exact as the loop (rounding aside) for any decay, λ = 0 included.
-
-    Example: b = [1, 1, 1], a = [0.5, 0.5, 0.5] -> x = [1.75, 1.5, 1.0].
-    """
-    return _reverse_scan(b, a, scratch=False)
-
-
 def _reverse_scan(b: torch.Tensor, a: torch.Tensor, scratch: bool, span: int | None = None):
     """reverse_scan; with scratch=True it may overwrite b and a (the caller's temporaries).
 
@@ -223,6 +208,24 @@ def _reverse_scan(b: torch.Tensor, a: torch.Tensor, scratch: bool, span: int | N
         x_in, x_out = x_out, x_in if reuse else torch.empty_like(x_in)
         d *= 2
     return x_in
+
+
+def reverse_scan(b: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """Solve x_i = b_i + a_i * x_{i+1} (x past the end = 0) along the last dimension.
+
+    Every GAE in this file is this recurrence: `b` is the residual and `a` the decay linking
+    position i to i + 1 (λ inside a segment, 0 where a segment ends, 1 to pass through a skipped
+    position). Solved by recursive doubling (Hillis & Steele, 1986): after the step with offset d,
+    x_i holds the sum over the next 2d positions and a_i the product of their decays, so
+    ceil(log2 T) vectorised steps replace a Python loop over T positions. No division, so it is
+    as exact as the loop (rounding aside) for any decay, λ = 0 included.
+
+    Example: b = [1, 1, 1], a = [0.5, 0.5, 0.5] -> x = [1.75, 1.5, 1.0].
+    """
+    return _reverse_scan(b, a, scratch=False)
+
+
+
 
 
 def _per_turn_sum(x: torch.Tensor, turn_ids: torch.Tensor, num_turns: int) -> torch.Tensor:
@@ -634,6 +637,16 @@ def mpo_advantages(rewards: torch.Tensor, values: torch.Tensor, turn_ids: torch.
 # (M6) The turn-level importance ratio with a stop-gradient, and (M7) the clipped surrogate
 # ---------------------------------------------------------------------------------------------
 
+def _turn_ratio(log_ratio: torch.Tensor, turn_ids: torch.Tensor, max_log_ratio: float):
+    """ρ̃ (B, T) from masked log-ratios, and the clamped turn log-ratio sums S_t (B, T + 1)."""
+    idx = torch.where(turn_ids >= 0, turn_ids, turn_ids.shape[1])              # -1 -> spare column
+    S = torch.zeros(log_ratio.shape[0], turn_ids.shape[1] + 1, dtype=log_ratio.dtype,
+                    device=log_ratio.device).scatter_add_(1, idx, log_ratio.detach())
+    S = S.clamp_(-max_log_ratio, max_log_ratio)                                # (B, K = T + 1)
+    lr_sg = log_ratio.detach()
+    return torch.exp(log_ratio + (torch.gather(S, 1, idx) - lr_sg)), S      # (B, T), sg = .detach()
+
+
 def turn_ratio(logp: torch.Tensor, old_logp: torch.Tensor, turn_ids: torch.Tensor,
                *, max_log_ratio: float = 20.0, validate: bool = True) -> torch.Tensor:
     """(M6): turn ratio with a stop-gradient (§3), ρ̃_{t,i} = ρ_{t,i} · sg(Π_{j≠i} ρ_{t,j}).
@@ -669,14 +682,7 @@ def turn_ratio(logp: torch.Tensor, old_logp: torch.Tensor, turn_ids: torch.Tenso
     return _turn_ratio(log_ratio, turn_ids, max_log_ratio)[0]
 
 
-def _turn_ratio(log_ratio: torch.Tensor, turn_ids: torch.Tensor, max_log_ratio: float):
-    """ρ̃ (B, T) from masked log-ratios, and the clamped turn log-ratio sums S_t (B, T + 1)."""
-    idx = torch.where(turn_ids >= 0, turn_ids, turn_ids.shape[1])              # -1 -> spare column
-    S = torch.zeros(log_ratio.shape[0], turn_ids.shape[1] + 1, dtype=log_ratio.dtype,
-                    device=log_ratio.device).scatter_add_(1, idx, log_ratio.detach())
-    S = S.clamp_(-max_log_ratio, max_log_ratio)                                # (B, K = T + 1)
-    lr_sg = log_ratio.detach()
-    return torch.exp(log_ratio + (torch.gather(S, 1, idx) - lr_sg)), S      # (B, T), sg = .detach()
+
 
 
 def _sequence_ratio(log_ratio: torch.Tensor, act: torch.Tensor, max_log_ratio: float) -> torch.Tensor:
@@ -832,33 +838,6 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
 # ((B3) GSPO = GRPO advantages with policy_loss(ratio_level="sequence"))
 # ---------------------------------------------------------------------------------------------
 
-def token_gae(rewards: torch.Tensor, values: torch.Tensor, action_mask: torch.Tensor,
-              lam: float = 0.95, gamma: float = 1.0, whiten: bool = True,
-              *, validate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B1): PPO token-level GAE over action tokens, A_i = δ_i + γλ A_next, δ_i = r_i + γ V_next − V_i.
-
-    Observation tokens are skipped, as verl's multi-turn GAE does: "next" is the next action
-    token, so the environment's reply costs no discount, but every generated token costs one
-    γλ, so credit crossing a turn of L tokens decays by λ^L (§2). Returns values + A (before
-    whitening) as the critic target; both 0 off the mask.
-
-    Args:
-        rewards, values: (B, T) float; action_mask: (B, T) bool or 0/1 integers (1 = action token).
-        lam: λ in [0, 1]; gamma: γ in [0, 1]; whiten: standardise over the batch's action tokens.
-    """
-    if validate:
-        lam = _check_unit("lam", lam)
-        gamma = _check_unit("gamma", gamma)
-        _validate_action_mask(rewards, values, action_mask)
-    act = action_mask.bool()
-    delta, v = _masked_token_residuals(rewards, values, act, gamma)           # (B, T), (B, T)
-    adv = _token_trace(delta, act, gamma * lam, scratch=True)                  # (B, T)
-    returns = torch.where(act, v + adv, torch.zeros_like(v))
-    if whiten:
-        adv = masked_whiten(adv, act)
-    return adv, returns
-
-
 def _validate_action_mask(rewards, values, action_mask) -> None:
     turn_ids_from_mask(action_mask)                                            # checks the mask
     _check_tensor("rewards", rewards, action_mask, ref_name="action_mask")
@@ -887,6 +866,42 @@ def _token_trace(delta: torch.Tensor, act: torch.Tensor, decay, scratch: bool = 
     if not scratch:
         delta = delta.clone()
     return _reverse_scan(delta, a.expand_as(delta), scratch=True).masked_fill_(~act, 0)  # (B, T)
+
+
+def token_gae(rewards: torch.Tensor, values: torch.Tensor, action_mask: torch.Tensor,
+              lam: float = 0.95, gamma: float = 1.0, whiten: bool = True,
+              *, validate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B1): PPO token-level GAE over action tokens, A_i = δ_i + γλ A_next, δ_i = r_i + γ V_next − V_i.
+
+    Observation tokens are skipped, as verl's multi-turn GAE does: "next" is the next action
+    token, so the environment's reply costs no discount, but every generated token costs one
+    γλ, so credit crossing a turn of L tokens decays by λ^L (§2). Returns values + A (before
+    whitening) as the critic target; both 0 off the mask.
+
+    Args:
+        rewards, values: (B, T) float; action_mask: (B, T) bool or 0/1 integers (1 = action token).
+        lam: λ in [0, 1]; gamma: γ in [0, 1]; whiten: standardise over the batch's action tokens.
+    """
+    if validate:
+        lam = _check_unit("lam", lam)
+        gamma = _check_unit("gamma", gamma)
+        _validate_action_mask(rewards, values, action_mask)
+    act = action_mask.bool()
+    delta, v = _masked_token_residuals(rewards, values, act, gamma)           # (B, T), (B, T)
+    adv = _token_trace(delta, act, gamma * lam, scratch=True)                  # (B, T)
+    returns = torch.where(act, v + adv, torch.zeros_like(v))
+    if whiten:
+        adv = masked_whiten(adv, act)
+    return adv, returns
+
+
+
+
+
+
+
+
+
 
 
 def vapo_advantages(rewards: torch.Tensor, values: torch.Tensor, action_mask: torch.Tensor,
