@@ -1,0 +1,53 @@
+"""experiments/appendix_c.py end to end: two short testbed runs (MPO with two checkpoints, PPO),
+one fixed set of trajectories, one table row per checkpoint, a pooled row, a fresh critic and
+the paper's row; every statistic in [0, 100] and the numbers equal to turn_value_structure's."""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+import mpo
+from helpers import run_main
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "experiments"))
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("appendix_c")
+    os.environ["MPO_CACHE"] = str(base / "mpo-cache")
+    common = ["--preset", "testbed", "--seed", "0", "--steps", "2", "--eval_every", "100"]
+    run_main(common + ["--variant", "mpo", "--save_every", "1", "--out_dir", str(base / "mpo")])
+    run_main(common + ["--variant", "ppo", "--out_dir", str(base / "ppo")])
+    yield base
+    os.environ.pop("MPO_CACHE", None)
+
+
+def test_appendix_c_command_scores_every_checkpoint_on_one_set_of_trajectories(runs):
+    import appendix_c
+    text = appendix_c.main([str(runs / "mpo"), str(runs / "ppo"), "--episodes", "1", "--fresh"])
+    rows = [line for line in text.splitlines() if line.startswith("| ") and "critic |" not in line]
+    names = [r.split(" | ")[0][2:] for r in rows]
+    assert names == [f"{runs / 'mpo'} step_000001", f"{runs / 'mpo'} step_000002",
+                     f"{runs / 'mpo'}, 2 checkpoints pooled", f"{runs / 'ppo'} step_000002",
+                     "fresh critic (base model, random head)", "paper (Appendix C)"]
+    assert rows[-1].startswith("| paper (Appendix C) | 89.5 | 90.2 | 93.8 | 9.2 | 22.4 | 2048 | 16323")
+    first = re.match(r"^(\d+) trajectories", text)
+    assert first and int(first.group(1)) == 32                       # 32 validation tasks x 1
+    n_rows = []
+    for r in rows[:-1]:
+        cells = r.strip("| ").split(" | ")[1:]
+        shares = [float(c) for c in cells[:5] if c != "–"]
+        assert all(0.0 <= x <= 100.0 for x in shares), r
+        assert int(cells[6]) == 3 * int(cells[5])                   # 3 turns per used episode
+        n_rows.append(int(cells[5]))
+    assert max(n_rows[:2] + n_rows[3:]) <= 32                        # one critic: <= 32 rows
+    assert n_rows[2] == n_rows[0] + n_rows[1]                        # pooled: both checkpoints
+    assert mpo.PAPER_TURN_VALUE_STRUCTURE["n_turns"] == 16323
