@@ -131,7 +131,8 @@ class Config:
 
     def __post_init__(self):            # counts and ranges: run_utils.check_config
         for flag, allowed in (("variant", VARIANTS), ("preset", tuple(presets.PRESETS)),
-                              ("dataset", ("synthetic", "hotpotqa", "testbed"))):
+                              ("dataset", ("synthetic", "hotpotqa", "testbed")),
+                              ("critic_target", mpo.CRITIC_TARGETS)):
             if getattr(self, flag) not in allowed:
                 raise ValueError(f"--{flag} must be one of {allowed}, got {getattr(self, flag)!r}")
         if self.variant == "mpo_beta0":

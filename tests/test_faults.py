@@ -260,6 +260,11 @@ BAD_FLAGS = [
     (["--step", "6"], r"unknown flag --step \(did you mean --steps\?\)"),
     (["--variant", "nope"], "--variant must be one of"),
     (["--eval_only"], "--eval_only needs --checkpoint"),
+    (["--critic_target", "td"], "--critic_target must be one of"),
+    (["--dual_clip", "0.5"], r"--dual_clip must be 0 \(off\) or > 1"),
+    (["--dual_clip", "inf"], r"--dual_clip must be 0 \(off\) or > 1"),
+    (["--vapo_alpha", "0"], "--vapo_alpha must be > 0"),
+    (["--vapo_value_steps", "-1"], "--vapo_value_steps must be >= 0"),
 ]
 
 
