@@ -250,11 +250,11 @@ def latest_checkpoint(out: Path) -> Path | None:
 
 
 def checkpoints_newest_first(out: Path) -> list[Path]:
-    """The checkpoint folders of a run, newest first (the `latest` pointer's first)."""
-    folders = sorted((p for p in (out / "checkpoints").glob("step_*")
-                      if p.is_dir() and not p.name.endswith(".tmp")), reverse=True)
-    latest = latest_checkpoint(out)
-    return ([latest] if latest in folders else []) + [p for p in folders if p != latest]
+    """The checkpoint folders of a run, highest step first. A folder is renamed into place only
+    once complete (save_checkpoint), so one newer than `latest` (a kill between the rename and
+    the pointer's update) is a whole checkpoint: it is preferred to the one `latest` names."""
+    return sorted((p for p in (out / "checkpoints").glob("step_*")
+                   if p.is_dir() and not p.name.endswith(".tmp")), reverse=True)
 
 
 def intact_checkpoints(out: Path) -> list[tuple[Path, dict]]:

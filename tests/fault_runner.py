@@ -38,15 +38,16 @@ def die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def patch(fault: str) -> None:
-    torch.set_num_threads(1)
+def run_patches() -> list[tuple[object, str, object]]:
+    """(object, attribute, replacement) for every run of tests/test_faults.py, in a child process
+    (patch) or in-process (test_faults' `base` fixture): the 4-step warm start and the parity
+    reward, so that child and in-process runs train the same model on the same rewards."""
     real_build = presets.build_tiny_model
 
     def quick_build(*args, **kwargs):
         if "warm_steps" in inspect.signature(real_build).parameters:
             kwargs["warm_steps"] = WARM_STEPS
         return real_build(*args, **kwargs)
-    presets.build_tiny_model = quick_build
 
     real_step = search_env.SearchEnv.step
 
@@ -55,7 +56,13 @@ def patch(fault: str) -> None:
         if res.done:
             res.reward = float(len(text) % 2)
         return res
-    search_env.SearchEnv.step = parity_step
+    return [(presets, "build_tiny_model", quick_build), (search_env.SearchEnv, "step", parity_step)]
+
+
+def patch(fault: str) -> None:
+    torch.set_num_threads(1)
+    for obj, name, value in run_patches():
+        setattr(obj, name, value)
 
     kind, _, arg = fault.partition(":")
     if kind == "kill_in_update":

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+import fault_runner
 import run_utils
 import train_min
 from helpers import run_main
@@ -30,7 +31,14 @@ ARGS = ["--preset", "tiny", "--steps", "4", "--save_every", "1", "--eval_every",
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("faults")
+    """The module's folder and model cache; in-process runs (run_main) get the child processes'
+    patches (fault_runner.run_patches), so both kinds of run train the same model alike."""
+    base = tmp_path_factory.mktemp("faults")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MPO_CACHE", str(base / "mpo-cache"))
+        for obj, name, value in fault_runner.run_patches():
+            mp.setattr(obj, name, value)
+        yield base
 
 
 def child(base: Path, fault: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -175,7 +183,7 @@ def test_no_checkpoint_that_loads_is_one_message_and_nothing_is_written(base, wh
 
 @pytest.mark.parametrize("flags, named", [(["--variant", "ppo"], "--variant"),
                                           (["--seed", "2"], "--seed"),
-                                          (["--lr_policy", "0.001"], "--lr_policy")])
+                                          (["--lr_policy", "0.002"], "--lr_policy")])
 def test_resume_refuses_a_changed_config_before_writing(base, whole, flags, named):
     out = copy_of(whole, base / f"changed{named}", keep_steps=2)
     before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}

@@ -85,8 +85,12 @@ class ScriptedPolicy:
     """Stands in for the model in `rollout`: every row's k-th generate call returns script[k]."""
     device = torch.device("cpu")
 
-    def __init__(self, script: list[list[int]], pad_id: int):
+    def __init__(self, script: list[list[int]], pad_id: int, vocab: int):
         self.script, self.pad_id, self.calls = script, pad_id, 0
+        self.lm_head = torch.nn.Linear(1, vocab, bias=False, device="meta")  # rows = tokenizer's
+
+    def get_output_embeddings(self):
+        return self.lm_head
 
     def eval(self):
         return self
@@ -116,7 +120,7 @@ def test_rollout_keeps_sampled_ids_exactly_and_masks_observations(tok, suite):
     for turn in script:                  # re-tokenising the decoded text would change these ids
         assert tok(tok.decode(turn, skip_special_tokens=True),
                    add_special_tokens=False).input_ids != [t for t in turn if t != 2]
-    trajs = train_min.rollout(ScriptedPolicy(script, tok.pad_token_id), tok, s, [q], cfg, n=2)
+    trajs = train_min.rollout(ScriptedPolicy(script, tok.pad_token_id, len(tok)), tok, s, [q], cfg, n=2)
     for t in trajs:
         assert t.reward == 1.0 and t.n_turns == 3                # the env read the decoded turns
         for k, turn in enumerate(script):
