@@ -103,6 +103,10 @@ class MPOConfig(BaseConfig):
     """β >= 0, strength of the centred intra-turn correction, Eq. (20); 0 = "turn GAE only"."""
     whiten: bool = True
     """Standardise the advantages over all model tokens of the batch (M5)."""
+    critic_target: str = "lambda_return"
+    """The critic's regression target (`returns`): "lambda_return", the multi-scale λ-return
+    (independent of β; train_min.py's default, measured the better critic on the testbed,
+    docs/equations.md), or "mae", values + A^MAE before whitening (mpo.py's default)."""
 
     def __post_init__(self):
         for name in ("lam", "lam_intra"):
@@ -110,6 +114,9 @@ class MPOConfig(BaseConfig):
                 raise ValueError(f"algorithm.mpo.{name} must be in [0, 1], got {getattr(self, name)}")
         if not self.beta >= 0.0:
             raise ValueError(f"algorithm.mpo.beta must be >= 0, got {self.beta}")
+        if self.critic_target not in mpo.CRITIC_TARGETS:
+            raise ValueError(f"algorithm.mpo.critic_target must be one of {mpo.CRITIC_TARGETS}, "
+                             f"got {self.critic_target!r}")
 
 
 @dataclass
@@ -139,7 +146,7 @@ def mpo_params(algorithm) -> MPOConfig:
     try:
         return omega_conf_to_dataclass(node, MPOConfig)
     except Exception as e:         # OmegaConf names the key: "Key 'bta' not in 'MPOConfig'"
-        raise ValueError(f"algorithm.mpo: {e}. Keys: lam, lam_intra, beta, whiten") from e
+        raise ValueError(f"algorithm.mpo: {e}. Keys: lam, lam_intra, beta, whiten, critic_target") from e
 
 
 # Options that rewrite response_mask token by token after the rollout. MPO reads its turns from
@@ -236,7 +243,7 @@ def compute_mpo_advantage(token_level_rewards: torch.Tensor, response_mask: torc
             `multi_turn.max_assistant_turns`); None: counted from the batch.
         **kwargs: verl's other arguments (index = uid, ...), unused: MPO needs no group.
     Returns:
-        advantages, returns: (B, T), zero off model tokens (returns = values + A^MAE, unwhitened).
+        advantages, returns: (B, T), zero off model tokens (returns: the critic target, algorithm.mpo.critic_target).
     """
     if values is None:
         raise ValueError("the mpo advantage estimator needs critic values, which verl's own trainers do "
@@ -249,7 +256,7 @@ def compute_mpo_advantage(token_level_rewards: torch.Tensor, response_mask: torc
     turn_ids = mpo.turn_ids_from_mask(act)                                    # (B, T), -1 off turns
     rewards = rewards_on_action_tokens(token_level_rewards, act)              # (B, T)
     return mpo.mpo_advantages(rewards, values, turn_ids, lam=p.lam, lam_intra=p.lam_intra, beta=p.beta,
-                              whiten=p.whiten, num_turns=num_turns)
+                              whiten=p.whiten, num_turns=num_turns, critic_target=p.critic_target)
 
 
 # ---------------------------------------------------------------------------------------------

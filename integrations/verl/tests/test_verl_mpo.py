@@ -81,7 +81,8 @@ def verl_batch(seed: int, B: int = 6, T: int = 112, end_in_tool: bool = False, k
     return mask, rewards, values, last_valid
 
 
-DEFAULTS = {"lam": 0.8, "lam_intra": 0.95, "beta": 1.0, "whiten": True}   # the paper's §7 setting
+DEFAULTS = {"lam": 0.8, "lam_intra": 0.95, "beta": 1.0, "whiten": True,   # the paper's §7 setting
+            "critic_target": "lambda_return"}
 
 
 def algo_config(**mpo_params):
@@ -99,7 +100,8 @@ def actor_config(**kw):
 # --- the "mpo" advantage estimator ----------------------------------------------------------------
 
 @pytest.mark.parametrize("seed", range(4))
-@pytest.mark.parametrize("params", [{}, {"lam": 0.6, "lam_intra": 0.9, "beta": 0.5, "whiten": False}])
+@pytest.mark.parametrize("params", [{}, {"lam": 0.6, "lam_intra": 0.9, "beta": 0.5, "whiten": False},
+                                    {"beta": 0.5, "critic_target": "mae"}])
 def test_registered_estimator_equals_mpo_advantages_at_action_tokens(seed, params):
     mask, rewards, values, _ = verl_batch(seed, kl_terms=True)
     fn = get_adv_estimator_fn("mpo")
@@ -107,13 +109,29 @@ def test_registered_estimator_equals_mpo_advantages_at_action_tokens(seed, param
                   index=np.array([str(i) for i in range(len(mask))], dtype=object))
     p = {**DEFAULTS, **params}
     turn_ids = mpo.turn_ids_from_mask(mask)
-    adv_ref, ret_ref = mpo.mpo_advantages(rewards, values, turn_ids, p["lam"], p["lam_intra"], p["beta"], p["whiten"])
+    adv_ref, ret_ref = mpo.mpo_advantages(rewards, values, turn_ids, p["lam"], p["lam_intra"], p["beta"], p["whiten"],
+                                          critic_target=p["critic_target"])
     act = mask.bool()
     torch.testing.assert_close(adv[act], adv_ref[act], **F32)
     torch.testing.assert_close(ret[act], ret_ref[act], **F32)
     assert adv.shape == mask.shape and not adv[~act].any() and not ret[~act].any()
     if p["whiten"]:
         assert abs(float(adv[act].mean())) < 1e-5
+
+
+def test_critic_target_selects_the_returns_and_only_mae_depends_on_beta():
+    mask, rewards, values, _ = verl_batch(1)
+    fn = get_adv_estimator_fn("mpo")
+    act = mask.bool()
+
+    def returns(**node):
+        return fn(token_level_rewards=rewards, response_mask=mask, values=values,
+                  config=algo_config(**node))[1][act]
+    lam_ret = returns(beta=1.0)
+    assert torch.equal(lam_ret, returns(beta=0.0))                      # independent of beta
+    assert not torch.allclose(lam_ret, returns(beta=1.0, critic_target="mae"))
+    assert not torch.allclose(returns(beta=1.0, critic_target="mae"),
+                              returns(beta=0.0, critic_target="mae"))
 
 
 def test_score_on_tool_token_moves_to_previous_action_token():
@@ -126,7 +144,8 @@ def test_score_on_tool_token_moves_to_previous_action_token():
     values = torch.linspace(0.1, 0.9, 9)[None]
     adv, ret = get_adv_estimator_fn("mpo")(token_level_rewards=rewards, response_mask=mask, values=values,
                                            config=algo_config())
-    adv_ref, ret_ref = mpo.mpo_advantages(moved, values, mpo.turn_ids_from_mask(mask))
+    adv_ref, ret_ref = mpo.mpo_advantages(moved, values, mpo.turn_ids_from_mask(mask),
+                                          critic_target="lambda_return")
     torch.testing.assert_close(adv, adv_ref, **F32)
     torch.testing.assert_close(ret, ret_ref, **F32)
     with pytest.raises(ValueError, match="off action positions"):       # what mpo.py alone says
@@ -292,7 +311,8 @@ def test_mpo_trainer_on_the_agent_loop_layout_matches_mpo_py(monkeypatch):
     turn_ids = mpo.turn_ids_from_mask(ref_mask)
     assert turn_ids.max().item() == 3                                    # 4 turns in row 3
     rewards = mpo.outcome_rewards(torch.tensor([s for _, s in AGENT_LOOP_ROWS]), turn_ids)
-    adv_ref, ret_ref = mpo.mpo_advantages(rewards, values, turn_ids, lam=0.7, lam_intra=0.95, beta=0.5)
+    adv_ref, ret_ref = mpo.mpo_advantages(rewards, values, turn_ids, lam=0.7, lam_intra=0.95, beta=0.5,
+                                          critic_target="lambda_return")
     act = ref_mask.bool()
     torch.testing.assert_close(adv[act], adv_ref[act], **F32)
     torch.testing.assert_close(ret[act], ret_ref[act], **F32)
@@ -383,7 +403,8 @@ def test_sequence_level_rejection_sampling_is_allowed():
 
 
 @pytest.mark.parametrize("node,message", [({"bta": 0.5}, "bta"), ({"lam": 1.5}, r"algorithm\.mpo\.lam"),
-                                          ({"beta": -1.0}, r"algorithm\.mpo\.beta")])
+                                          ({"beta": -1.0}, r"algorithm\.mpo\.beta"),
+                                          ({"critic_target": "td"}, r"algorithm\.mpo\.critic_target")])
 def test_algorithm_mpo_rejects_unknown_keys_and_out_of_range_values(node, message):
     mask, rewards, values, _ = verl_batch(0)
     with pytest.raises(ValueError, match=message):
