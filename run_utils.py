@@ -75,12 +75,11 @@ AT_LEAST_ONE = ("steps", "save_every", "eval_every", "structure_every", "n_train
                 "min_hops", "top_k", "max_turns", "max_new_tokens", "max_total_tokens", "lora_r",
                 "n_rollouts", "questions_per_step", "ppo_epochs", "minibatches",
                 "micro_batch_size", "rollout_batch_size", "eval_samples")
-# (vapo_value_steps may be 0: no critic-only warm-up)
 POSITIVE = ("lora_alpha", "clip_eps", "clip_eps_high", "gspo_clip_low", "gspo_clip_high",
             "max_grad_norm", "temperature", "vapo_alpha")
 NON_NEGATIVE = ("lora_layers", "beta", "value_clip", "vf_coef", "kl_coef", "cpu_threads",
                 "memory_cap_gb", "lr_policy", "lr_critic", "lr_value_head",   # lr 0: frozen
-                "vapo_value_steps")
+                "vapo_value_steps")                        # 0: no critic-only warm-up
 UNIT_INTERVAL = ("lam", "lam_intra", "ppo_lam")
 
 
@@ -95,10 +94,9 @@ def check_config(cfg) -> None:
             value = getattr(cfg, name, None)
             if value is not None and not (math.isfinite(value) and ok(value)):
                 raise ConfigError(f"--{name} must be {need}, got {value}")
-    dual_clip = getattr(cfg, "dual_clip", 0)
-    if not (dual_clip == 0 or (math.isfinite(dual_clip) and dual_clip > 1)):
+    if not (cfg.dual_clip == 0 or (math.isfinite(cfg.dual_clip) and cfg.dual_clip > 1)):
         raise ConfigError(f"--dual_clip must be 0 (off) or > 1 (the cap c of Ye et al., 2020), "
-                          f"got {dual_clip}")
+                          f"got {cfg.dual_clip}")
     if cfg.min_hops > cfg.max_hops:
         raise ConfigError(f"--min_hops ({cfg.min_hops}) exceeds --max_hops ({cfg.max_hops})")
     episodes = cfg.questions_per_step * cfg.n_rollouts

@@ -38,17 +38,20 @@ def die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def run_patches() -> list[tuple[object, str, object]]:
-    """(object, attribute, replacement) for every run of tests/test_faults.py, in a child process
-    (patch) or in-process (test_faults' `base` fixture): the 4-step warm start and the parity
-    reward, so that child and in-process runs train the same model on the same rewards."""
+def quick_build_patch() -> tuple[object, str, object]:
+    """presets.build_tiny_model with a WARM_STEPS warm start (the build is keyed and cached)."""
     real_build = presets.build_tiny_model
 
     def quick_build(*args, **kwargs):
         if "warm_steps" in inspect.signature(real_build).parameters:
             kwargs["warm_steps"] = WARM_STEPS
         return real_build(*args, **kwargs)
+    return presets, "build_tiny_model", quick_build
 
+
+def parity_reward_patch() -> tuple[object, str, object]:
+    """A random tiny model only writes malformed turns (reward 0: zero advantages and gradients);
+    reward the parity of the last turn's length instead, so updates are not all zero."""
     real_step = search_env.SearchEnv.step
 
     def parity_step(self, text):
@@ -56,7 +59,14 @@ def run_patches() -> list[tuple[object, str, object]]:
         if res.done:
             res.reward = float(len(text) % 2)
         return res
-    return [(presets, "build_tiny_model", quick_build), (search_env.SearchEnv, "step", parity_step)]
+    return search_env.SearchEnv, "step", parity_step
+
+
+def run_patches() -> list[tuple[object, str, object]]:
+    """(object, attribute, replacement) for every run of tests/test_faults.py, in a child process
+    (patch) or in-process (test_faults' `base` fixture), so that both train the same model on
+    the same rewards; tests/test_train_min.py uses the same two patches."""
+    return [quick_build_patch(), parity_reward_patch()]
 
 
 def patch(fault: str) -> None:

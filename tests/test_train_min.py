@@ -11,7 +11,6 @@ slower.
 """
 from __future__ import annotations
 
-import inspect
 import itertools
 import json
 import math
@@ -26,6 +25,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import fault_runner
 import mpo
 import presets
 import run_utils
@@ -109,23 +109,14 @@ def fresh(loaded):
     return tok, model, value_head
 
 
-WARM_STEPS = 4
-
 
 @pytest.fixture(scope="module")
 def e2e(base):
     """For `main`: a private model cache and a short warm start (the build is keyed and cached, so
     the runs of this module build it once)."""
-    real = presets.build_tiny_model
-
-    def quick_build(*args, **kwargs):
-        if "warm_steps" in inspect.signature(real).parameters:
-            kwargs["warm_steps"] = WARM_STEPS
-        return real(*args, **kwargs)
-
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("MPO_CACHE", str(base / "mpo-cache"))
-        mp.setattr(presets, "build_tiny_model", quick_build)
+        mp.setattr(*fault_runner.quick_build_patch())
         yield base
 
 
@@ -583,17 +574,9 @@ def _stable(row: dict) -> str:
 
 @pytest.fixture
 def parity_reward(monkeypatch):
-    """A random tiny model only writes malformed turns (reward 0, so zero advantages and gradients);
-    reward the parity of the turn's length instead, so updates and optimiser state are non-trivial."""
-    real = search_env.SearchEnv.step
-
-    def step(self, text):
-        res = real(self, text)
-        if res.done:
-            res.reward = float(len(text) % 2)
-        return res
-
-    monkeypatch.setattr(search_env.SearchEnv, "step", step)
+    """Reward the parity of the turn's length (fault_runner.parity_reward_patch), so updates and
+    optimiser state are non-trivial."""
+    monkeypatch.setattr(*fault_runner.parity_reward_patch())
 
 
 def test_resume_reproduces_an_uninterrupted_run_exactly(e2e, full_run, base, parity_reward):
