@@ -53,8 +53,26 @@ RATIO_LEVELS = ("turn", "token", "sequence")
 
 
 # ---------------------------------------------------------------------------------------------
+# Blocks of rows. On the CPU the long computations below (validation, mpo_advantages) run on
+# blocks of rows of about CPU_BLOCK positions: a block's temporaries stay in the cache and in
+# memory the allocator already holds, where a fresh (B, T) temporary streams from DRAM and costs
+# a page fault per 4 KiB (docs/benchmarks.md). On other devices one block is the whole batch.
+# ---------------------------------------------------------------------------------------------
+
+CPU_BLOCK = 2**19                                  # positions per block: 2 MiB of float32
+
+
+def _row_blocks(x: torch.Tensor) -> list[slice]:
+    """Slices of x's rows (dim 0) into blocks of about CPU_BLOCK elements on the CPU, else one."""
+    if x.dim() < 2 or x.device.type != "cpu" or x.shape[0] == 0:
+        return [slice(None)]
+    rows = max(1, CPU_BLOCK // max(x[0].numel(), 1))
+    return [slice(r, r + rows) for r in range(0, x.shape[0], rows)]
+
+
+# ---------------------------------------------------------------------------------------------
 # Input validation: every public function checks its arguments unless validate=False.
-# These checks read values back to the host (one sync each); they never change a number.
+# These checks read values back to the host (one sync per block); they never change a number.
 # ---------------------------------------------------------------------------------------------
 
 def _check_tensor(name: str, x, ref: torch.Tensor | None = None, dims: int = 2,
@@ -69,14 +87,22 @@ def _check_tensor(name: str, x, ref: torch.Tensor | None = None, dims: int = 2,
         raise ValueError(f"{name} is on {x.device} but {ref_name} is on {ref.device}")
 
 
+def _any(mask: torch.Tensor) -> bool:
+    """bool(mask.any()) for a bool tensor, read as bytes (torch's bool any() is ~10x slower on CPU)."""
+    return mask.numel() > 0 and bool(mask.view(torch.uint8).amax())
+
+
 def _check_float(name: str, x: torch.Tensor, mask: torch.Tensor | None = None) -> None:
     if not x.is_floating_point():
         raise TypeError(f"{name} must be a floating-point tensor, got {x.dtype}")
-    bad = ~torch.isfinite(x)
-    if mask is not None:
-        bad = bad & mask
-    if bool(bad.any()):
-        raise ValueError(f"{name} holds NaN or inf at {int(bad.sum())} action position(s)")
+    zero = torch.zeros((), dtype=x.dtype, device=x.device)
+    for rs in _row_blocks(x):
+        # y - y is 0 where y is finite and NaN where it is not, so one sum finds any NaN or inf
+        # (without the overflow a plain sum of large finite values could have); then count them.
+        y = x[rs].clone() if mask is None else torch.where(mask[rs], x[rs], zero)
+        if y.numel() and not bool(torch.isfinite(y.sub_(y).sum())):
+            bad = ~torch.isfinite(x) if mask is None else ~torch.isfinite(x) & mask
+            raise ValueError(f"{name} holds NaN or inf at {int(bad.sum())} action position(s)")
 
 
 def _check_turn_ids(turn_ids) -> int:
@@ -84,27 +110,34 @@ def _check_turn_ids(turn_ids) -> int:
     _check_tensor("turn_ids", turn_ids)
     if turn_ids.dtype.is_floating_point or turn_ids.dtype == torch.bool or turn_ids.is_complex():
         raise TypeError(f"turn_ids must be an integer tensor (int64), got {turn_ids.dtype}")
-    if bool((turn_ids < -1).any()):
-        raise ValueError("turn_ids holds values below -1; use -1 for non-action positions")
     B, T = turn_ids.shape
     if B == 0 or T == 0:
         return 0                                   # an empty batch: valid, no turn
+    return max(_check_turn_layout(turn_ids[rs], rs.start or 0) for rs in _row_blocks(turn_ids))
+
+
+def _check_turn_layout(turn_ids: torch.Tensor, first_row: int) -> int:
+    """_check_turn_ids on a block of rows (row numbers in messages count from first_row)."""
+    lowest, highest = (int(x) for x in torch.aminmax(turn_ids))
+    if lowest < -1:
+        raise ValueError("turn_ids holds values below -1; use -1 for non-action positions")
     # A run of equal ids starts where the id differs from the previous position's. The layout is
     # valid iff the runs of each row are numbered 0, 1, 2, ...: then a turn split by -1 (two
     # runs, one id), a gap or a wrong order all show up as a run whose id is not its rank.
     act = turn_ids >= 0
-    starts = act & (turn_ids != F.pad(turn_ids[:, :-1], (1, 0), value=-1))     # (B, T)
-    rank = torch.cumsum(starts, dim=1) - 1                                     # (B, T) run number
-    bad = act & (turn_ids != rank)
-    if bool(bad.any()):
+    starts = act.clone()                                                       # (B, T) a run's first
+    starts[:, 1:] &= turn_ids[:, 1:] != turn_ids[:, :-1]
+    rank = torch.cumsum(starts, dim=1, dtype=torch.int32).sub_(1)              # (B, T) run number
+    bad = torch.ne(turn_ids, rank).logical_and_(act)
+    if _any(bad):
         b = int(bad.any(dim=1).nonzero()[0])       # the first bad row: say what is wrong with it
         ids = [k for k, s in zip(turn_ids[b].tolist(), starts[b].tolist()) if s]
         if len(set(ids)) < len(ids):
             raise ValueError("turn_ids: a turn is split by non-turn tokens (-1); turns must be "
-                             f"contiguous (row {b} has runs numbered {ids[:8]})")
+                             f"contiguous (row {first_row + b} has runs numbered {ids[:8]})")
         raise ValueError("turn_ids: turns must appear in order 0, 1, 2, ... in each row, without "
-                         f"gaps (row {b} has runs numbered {ids[:8]})")
-    return int(turn_ids.max().clamp(min=-1)) + 1
+                         f"gaps (row {first_row + b} has runs numbered {ids[:8]})")
+    return max(highest, -1) + 1
 
 
 def _check_number(name: str, x, ok, what: str) -> float:
@@ -160,9 +193,10 @@ def _validate_rewards_values(rewards, values, turn_ids) -> int:
     act = turn_ids >= 0
     _check_float("rewards", rewards, act)
     _check_float("values", values, act)
-    if bool(((rewards != 0) & ~act).any()):
-        raise ValueError("rewards must be 0 off action positions (turn_ids == -1); "
-                         "put a reward on the action token that earned it")
+    for rs in _row_blocks(turn_ids):
+        if _any(torch.ne(rewards[rs], 0).logical_and_(~act[rs])):
+            raise ValueError("rewards must be 0 off action positions (turn_ids == -1); "
+                             "put a reward on the action token that earned it")
     return K
 
 
@@ -533,6 +567,71 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> tor
     return torch.where(mask, (x - mean) * torch.rsqrt(var + eps), torch.zeros_like(x))
 
 
+def _mpo_rows(rewards, values, turn_ids, lam, lam_intra, beta, K, span, read_span, critic_target,
+              adv, returns):
+    """`mpo_advantages` on a block of rows: (M1)–(M4) and Eq. (20) fused, written into `adv`
+    (not whitened) and the critic target into `returns`; returns the action mask and Σ adv.
+    span: the scan's bound (see `_reverse_scan`); read_span: set it from the longest turn.
+
+    It computes exactly what the functions above compute, with each (B, T) tensor read and
+    written as few times as possible: turns are contiguous and in order, so one cumsum and a
+    binary search give every turn's first and past-the-last position (B, K), from which come
+    L_t, the turn-start values V_{t,1} and V_next at a turn's last token; inside a turn V_next
+    is v[p + 1]; per-turn sums are one scatter_add each into (B, K + 1) tensors whose spare
+    column K collects the non-turn positions (and stays 0 for the gather that broadcasts them).
+    """
+    B, T = turn_ids.shape
+    dtype, dev = adv.dtype, adv.device
+    zero = torch.zeros((), dtype=dtype, device=dev)
+    values, rewards = values.to(dtype), rewards.to(dtype)                     # no copy if float32/64
+    act = turn_ids >= 0                                                        # (B, T)
+    inside = torch.zeros_like(act)                                             # (B, T) p + 1 is in
+    torch.eq(turn_ids[:, 1:], turn_ids[:, :-1], out=inside[:, :-1]).logical_and_(act[:, :-1])  # p's turn
+    # 1. Turn bounds. key = 2 (turns begun so far) − act is 2k + 1 on turn k's tokens and 2k + 2
+    #    between turn k and turn k + 1: non-decreasing, so a binary search for 2k + 1 finds turn k's
+    #    first token and one for 2k + 2 the position after its last (T for a turn the row lacks).
+    first = act.clone()
+    first[:, 1:] &= ~inside[:, :-1]                                            # (B, T) a turn's first
+    key = torch.cumsum(first, dim=1, dtype=torch.int32).mul_(2).sub_(act.to(torch.int32))
+    query = torch.arange(1, 2 * K + 1, dtype=torch.int32, device=dev).expand(B, 2 * K)
+    bounds = torch.searchsorted(key, query.contiguous())                      # (B, 2K)
+    start, end = bounds[:, 0::2], bounds[:, 1::2]                              # (B, K)
+    length = end - start                                                       # (B, K) L_t, 0 if none
+    has_turn = length > 0
+    if read_span:                                  # the longest turn: ⌈log2⌉ of it scan steps
+        span = int(length.max()) if K else 1
+    # 2. (M1) δ = r + V_next − V; V_next = v[p + 1] inside a turn, V_{t+1,1} on its last token
+    v_start = torch.where(has_turn, values.gather(1, start.clamp(max=T - 1)), zero)  # (B, K)
+    v_next_start = F.pad(v_start[:, 1:], (0, 1))                               # (B, K) V_{t+1,1}, 0 after
+    delta = torch.empty(B, T, dtype=dtype, device=dev)
+    delta[:, :-1] = values[:, 1:]                                              # v[p + 1], junk off turns
+    delta[:, -1:] = 0
+    if K:                                          # V_{t+1,1} on each turn's last token, written over
+        row_last = end.gather(1, (has_turn.sum(1, keepdim=True) - 1).clamp(min=0)) - 1   # (B, 1)
+        last = torch.where(has_turn, end - 1, row_last).clamp(0, T - 1)        # (B, K); turns a row
+        delta.scatter_(1, last, v_next_start)      # lacks rewrite its last turn's V_{t+1,1} = 0
+    torch.where(act, delta.add_(rewards).sub_(values), zero, out=delta)        # (B, T), 0 off turns
+    # 3. (M2) δ^turn_t = Σ_i δ_{t,i} and (M3) A^turn, on (B, K)
+    idx = torch.where(act, turn_ids, K)                                        # (B, T) -1 -> column K
+    delta_turn = torch.zeros(B, K + 1, dtype=dtype, device=dev).scatter_add_(1, idx, delta)[:, :K]
+    adv_turn = _reverse_scan(delta_turn.contiguous(),
+                             torch.where(has_turn, torch.full_like(delta_turn, lam), zero),
+                             scratch=True)                                     # (B, K)
+    # 4. (M4) intra-turn traces: the scan with decay λ_intra inside a turn, 0 at its end
+    decay = torch.where(inside, torch.as_tensor(lam_intra, dtype=dtype, device=dev), zero)
+    adv_intra = _reverse_scan(delta, decay, scratch=True, span=span)           # (B, T)
+    # 5. Eq. (20): A^MAE = (A^turn_t − β mean_i A^intra_{t,i}) + β A^intra, one gather
+    sum_intra = torch.zeros(B, K + 1, dtype=dtype, device=dev).scatter_add_(1, idx, adv_intra)
+    base = F.pad(adv_turn - beta * sum_intra[:, :K] / length.clamp(min=1), (0, 1))   # (B, K + 1)
+    torch.gather(base, 1, idx, out=adv).add_(adv_intra, alpha=beta)           # (B, T), 0 off turns
+    if critic_target == "mae":
+        torch.where(act, values, zero, out=returns).add_(adv)                 # V + A^MAE
+    else:
+        returns.copy_(multiscale_lambda_returns(torch.where(act, values, zero), adv_turn, adv_intra,
+                                                turn_ids, lam, lam_intra, validate=False))
+    return act, adv.sum()
+
+
 def mpo_advantages(rewards: torch.Tensor, values: torch.Tensor, turn_ids: torch.Tensor,
                    lam: float = 0.8, lam_intra: float = 0.95, beta: float = 1.0, whiten: bool = True,
                    *, num_turns: int | None = None, max_turn_len: int | None = None,
@@ -543,7 +642,9 @@ def mpo_advantages(rewards: torch.Tensor, values: torch.Tensor, turn_ids: torch.
     Defaults are the paper's reference setting (λ, λ_intra, β) = (0.80, 0.95, 1.00) (§7).
     β = 0 is the "turn GAE only" ablation (every token of a turn gets A^turn_t). The numbers
     are those of the functions above composed (tested to 1e-10 against a loop reference); the
-    body fuses them so each (B, T) tensor is read and written as few times as possible.
+    body (`_mpo_rows`) fuses them so each (B, T) tensor is read and written as few times as
+    possible, and on the CPU runs on blocks of rows (`_row_blocks`). Sync-free on a GPU when
+    validate=False and num_turns (and max_turn_len, for the shortest scan) are given.
 
     Args:
         rewards: (B, T) float, non-zero only on action tokens (see `outcome_rewards`).
@@ -551,10 +652,13 @@ def mpo_advantages(rewards: torch.Tensor, values: torch.Tensor, turn_ids: torch.
         turn_ids: (B, T) int64.
         lam, lam_intra: λ, λ_intra in [0, 1]; beta: β >= 0; whiten: standardise the advantages.
         num_turns: an upper bound on any row's turn count (e.g. your environment's turn limit).
-            Without it, validation reads the exact count, and with validate=False the turn axis
-            is T wide (no sync, but a longer scan); with it, neither.
+            Without it the count is read back (validation does; on the CPU, where a read costs
+            no sync, the fast path does too); on a GPU with validate=False the turn axis is then
+            T wide (no sync, but larger per-turn tensors).
         max_turn_len: an upper bound on any turn's token count (e.g. the generation budget of one
-            turn); the intra-turn scan then takes ⌈log2 max_turn_len⌉ steps instead of ⌈log2 T⌉.
+            turn): the intra-turn scan takes ⌈log2 max_turn_len⌉ doubling steps. Without it the
+            longest turn is read back where that costs nothing extra (CPU, or validation on);
+            on a GPU with validate=False the scan then takes ⌈log2 T⌉ steps.
         critic_target: what `returns` holds, the critic's regression target (the notes leave
             it open): "mae" = values + A^MAE before whitening (PPO's advantages + values with the
             MPO advantage; depends on β); "lambda_return" = `multiscale_lambda_returns`
@@ -580,60 +684,41 @@ def mpo_advantages(rewards: torch.Tensor, values: torch.Tensor, turn_ids: torch.
                 raise ValueError(f"max_turn_len must be a whole number >= the longest turn "
                                  f"({longest} tokens), got {max_turn_len!r}")
     else:
-        K = turn_ids.shape[1]                      # an upper bound on the turn count: no sync
+        K = None                                   # per block: read on the CPU, else T (no sync)
         lam, lam_intra, beta = (x if isinstance(x, (int, float)) else float(x)   # numpy, 0-dim
                                 for x in (lam, lam_intra, beta))
     K = num_turns if num_turns is not None else K
-    # The composition below computes exactly (M1)–(M4), Eq. (20) and (M5) as the functions above
-    # do, fused so that each (B, T) tensor is read and written as few times as possible: masks
-    # once, per-turn quantities live in (B, K + 1) tensors whose spare column K is 0 (so one
-    # gather broadcasts them to every position, 0 off turns), and turns are contiguous, so inside
-    # a turn V_next is v[p + 1] and only a turn's last token needs the next turn's start value.
+    B, T = turn_ids.shape
     dtype = _compute_dtype(values)
-    act = turn_ids >= 0                                                        # (B, T)
-    zero = torch.zeros((), dtype=dtype, device=values.device)
-    v = torch.where(act, values.to(dtype), zero)                               # (B, T) masked once
-    r = torch.where(act, rewards.to(dtype), zero)                              # (B, T)
-    idx = torch.where(act, turn_ids, K)                                        # (B, T) -1 -> K
-    same = torch.empty_like(act)                                               # (B, T) shifts by
-    torch.eq(turn_ids[:, 1:], turn_ids[:, :-1], out=same[:, :-1])              # slicing, no padded
-    same[:, -1:] = False                                                       # copies: same[p] =
-    inside = same.logical_and_(act)                                            # p + 1 in p's turn
-    first = act.clone()                                                        # a turn's first token
-    first[:, 1:] &= ~inside[:, :-1]
-    # 1. turn-start values V_{t,1}, token counts L_t and reward sums, (B, K + 1) with column K = 0
-    v_start = torch.zeros(v.shape[0], K + 2, dtype=dtype, device=v.device)
-    v_start = v_start.scatter_(1, torch.where(first, turn_ids, K + 1), v)[:, :K + 1]  # (B, K + 1)
-    length = torch.zeros_like(v_start).scatter_add_(1, idx, act.to(dtype))     # (B, K + 1) L_t
-    r_turn = torch.zeros_like(v_start).scatter_add_(1, idx, r)                 # (B, K + 1)
-    v_next_start = F.pad(v_start[:, 1:], (0, 1))                               # (B, K + 1)
-    # 2. (M1) δ_{t,i} = r + V_next − V: v[p + 1] inside a turn, V_{t+1,1} on its last token
-    v_next = torch.gather(v_next_start, 1, idx)                                # (B, T)
-    torch.where(inside[:, :-1], v[:, 1:], v_next[:, :-1], out=v_next[:, :-1])
-    delta = v_next.add_(r).sub_(v)                                             # (B, T), 0 off turns
-    # 3. (M2) telescoped, δ^turn_t = Σ_i r_{t,i} + V_{t+1,1} − V_{t,1}, and (M3) A^turn
-    delta_turn = (r_turn + v_next_start - v_start)[:, :K]                       # (B, K)
-    has_turn = length[:, :K] > 0
-    adv_turn = _reverse_scan(torch.where(has_turn, delta_turn, zero),
-                             torch.where(has_turn, torch.full_like(delta_turn, lam), zero),
-                             scratch=True)                                     # (B, K)
-    # 4. (M4) intra-turn traces: the scan with decay λ_intra inside a turn, 0 at its end
-    decay = torch.where(inside, torch.as_tensor(lam_intra, dtype=dtype, device=v.device), zero)
-    adv_intra = _reverse_scan(delta, decay, scratch=True, span=max_turn_len)  # (B, T)
-    # 5. Eq. (20): A^MAE = (A^turn_t − β mean_i A^intra_{t,i}) + β A^intra, one gather
-    mean_intra = torch.zeros_like(v_start).scatter_add_(1, idx, adv_intra) / length.clamp(min=1)
-    base = F.pad(adv_turn, (0, 1)) - beta * mean_intra                         # (B, K + 1)
-    adv = torch.gather(base, 1, idx).add_(adv_intra, alpha=beta)             # (B, T), 0 off turns
-    if critic_target == "mae":
-        returns = v + adv                                                      # (B, T), 0 off turns
-    else:
-        returns = multiscale_lambda_returns(v, adv_turn, adv_intra, turn_ids, lam, lam_intra,
-                                            validate=False)                    # (B, T)
-    if whiten:                                     # (M5) with one centred buffer, in place
-        n = length.sum()
-        centred = adv.sub_(adv.sum() / n.clamp(min=1)).masked_fill_(~act, 0)
-        var = torch.linalg.vector_norm(centred).square() / (n - 1).clamp(min=1)
-        adv = centred.mul_(torch.rsqrt(var + 1e-8))
+    on_cpu = values.device.type == "cpu"
+    adv = torch.empty(B, T, dtype=dtype, device=values.device)
+    returns = torch.empty(B, T, dtype=dtype, device=values.device)
+    # Rows are independent until (M5)'s batch statistics, so the fused body runs block by block
+    blocks = _row_blocks(turn_ids) if B and T else []                         # empty: nothing to do
+    n = torch.zeros((), dtype=dtype, device=values.device)                    # action tokens
+    total = torch.zeros((), dtype=dtype, device=values.device)                # Σ A^MAE
+    masks = []                                                                 # each block's act
+    for rs in blocks:
+        ids = turn_ids[rs]
+        k = K if K is not None else (int(ids.amax(dim=1).clamp(min=-1).amax()) + 1
+                                    if on_cpu and T else T)
+        # Reading the longest turn back costs nothing on the CPU and a sync elsewhere, which
+        # validation makes anyway; without it the intra-turn scan takes ⌈log2 T⌉ steps.
+        read_span = max_turn_len is None and (on_cpu or validate)
+        act, total_b = _mpo_rows(rewards[rs], values[rs], ids, lam, lam_intra, beta, k,
+                                 max_turn_len, read_span, critic_target, adv[rs], returns[rs])
+        masks.append(act)
+        n += act.sum()
+        total += total_b
+    if whiten:                                     # (M5) over the whole batch, block by block
+        mean = total / n.clamp(min=1)
+        zero = torch.zeros((), dtype=dtype, device=values.device)
+        squares = torch.zeros((), dtype=dtype, device=values.device)
+        for rs, act in zip(blocks, masks):
+            a = adv[rs]
+            torch.where(act, a.sub_(mean), zero, out=a)                       # centred, 0 off turns
+            squares += torch.linalg.vector_norm(a).square()
+        adv.mul_(torch.rsqrt(squares / (n - 1).clamp(min=1) + 1e-8))
     return adv, returns
 
 

@@ -1,0 +1,134 @@
+"""mpo_advantages and the validators on blocks of rows (`mpo.CPU_BLOCK`, `mpo._row_blocks`).
+
+On the CPU, mpo_advantages runs its fused body on blocks of rows and whitens over the whole batch
+afterwards; the validators check block by block. The other tests use batches that fit in one
+block, so here CPU_BLOCK is made tiny (one row per block up to the whole batch) and every path
+(validation on/off, num_turns given or read, max_turn_len given or read, both critic targets,
+whitening on/off) must still match the float64 loop reference to 1e-10, on layouts that include
+turns with no observation between them. Errors found in a later block must name the right row.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import mpo
+import reference as ref
+from conftest import Layout, RowLayout, betas, lams, make_batch
+
+ATOL = 1e-10
+
+
+@contextlib.contextmanager
+def cpu_block(positions: int):
+    old = mpo.CPU_BLOCK
+    mpo.CPU_BLOCK = positions
+    try:
+        yield
+    finally:
+        mpo.CPU_BLOCK = old
+
+
+@st.composite
+def adjacent_layouts(draw):
+    """Rows of 0..5 turns of 1..12 tokens with 0..3 observation tokens between turns (0: the
+    next turn starts right after), a 0..3-token prompt, padded left or right."""
+    rows = []
+    for r in range(draw(st.integers(1, 7))):
+        n = draw(st.integers(1 if r == 0 else 0, 5))
+        turns = draw(st.lists(st.integers(1, 12), min_size=n, max_size=n))
+        obs = draw(st.lists(st.integers(0, 3), min_size=n, max_size=n))
+        rows.append(RowLayout(draw(st.integers(0, 3)), turns, obs, draw(st.booleans())))
+    return Layout(rows, extra_pad=draw(st.integers(0, 2)))
+
+
+def close(a, e, atol=ATOL):
+    assert a.shape == e.shape
+    err = (a.double() - e.double()).abs().max().item() if a.numel() else 0.0
+    assert err <= atol, f"max abs error {err:.3e} > {atol:.0e}"
+
+
+@given(adjacent_layouts(), st.integers(0, 2**31 - 1), lams, lams, betas, st.booleans(),
+       st.sampled_from(["mae", "lambda_return"]), st.integers(0, 4), st.sampled_from([0, 1, 3]))
+def test_blocked_mpo_advantages_match_the_loop_reference(layout, seed, lam, lam_intra, beta,
+                                                         whiten, target, rows_per_block, extra_k):
+    b = make_batch(layout, seed, reward_kind="dense")
+    B, T = b.turn_ids.shape
+    K = int(b.turn_ids.max()) + 1
+    longest = max((n for r in layout.rows for n in r.turns), default=1)
+    e_adv, e_ret = ref.mpo_advantages(b.rewards, b.values, b.turn_ids, lam, lam_intra, beta,
+                                      whiten, critic_target=target)
+    # rows_per_block 0 means one block for the whole batch
+    with cpu_block(T * rows_per_block if rows_per_block else B * T):
+        assert len(mpo._row_blocks(b.turn_ids)) == (math.ceil(B / rows_per_block)
+                                                     if rows_per_block else 1)
+        for validate in (True, False):
+            for num_turns in (None, K + extra_k):
+                for max_turn_len in (None, longest + extra_k):
+                    adv, ret = mpo.mpo_advantages(
+                        b.rewards, b.values, b.turn_ids, lam, lam_intra, beta, whiten,
+                        num_turns=num_turns, max_turn_len=max_turn_len, critic_target=target,
+                        validate=validate)
+                    close(adv, e_adv, atol=1e-9 if whiten else ATOL)
+                    close(ret, e_ret)
+                    assert torch.all(adv[b.turn_ids < 0] == 0) and torch.all(ret[b.turn_ids < 0] == 0)
+
+
+def test_whitening_pools_every_block():
+    """Whitened over the whole batch, not per block: the action tokens of all rows together have
+    mean 0 and unbiased variance 1, and each row alone does not."""
+    b = make_batch(Layout([RowLayout(1, [3, 4], [0, 2], False), RowLayout(0, [5], [1], True),
+                           RowLayout(2, [2, 2, 2], [1, 0, 0], False)]), seed=4)
+    with cpu_block(b.turn_ids.shape[1]):                         # one row per block
+        adv, _ = mpo.mpo_advantages(b.rewards, b.values, b.turn_ids)
+    a = adv[b.turn_ids >= 0]
+    assert abs(a.mean().item()) < 1e-12 and abs(a.var().item() - 1) < 1e-7
+    row0 = adv[0][b.turn_ids[0] >= 0]
+    assert abs(row0.mean().item()) > 1e-3
+
+
+def test_row_blocks_cover_every_row_once_with_about_cpu_block_positions():
+    x = torch.zeros(10, 7)
+    with cpu_block(21):
+        blocks = mpo._row_blocks(x)
+    assert [(s.start, s.stop) for s in blocks] == [(0, 3), (3, 6), (6, 9), (9, 12)]
+    with cpu_block(1):                                           # fewer positions than a row
+        assert len(mpo._row_blocks(x)) == 10
+    assert mpo._row_blocks(torch.zeros(0, 7)) == [slice(None)]
+    assert mpo._row_blocks(torch.zeros(5)) == [slice(None)]   # 1-D: one block
+
+
+def test_validation_in_a_later_block_names_the_right_row():
+    tid = torch.tensor([[0, 0, -1, 1], [-1, 0, 1, 1], [0, -1, -1, -1], [0, -1, 0, -1],
+                        [1, 1, -1, -1]])
+    v = torch.zeros(tid.shape, dtype=torch.float64)
+    with cpu_block(tid.shape[1]):                                # one row per block
+        with pytest.raises(ValueError, match=r"split by non-turn tokens.*row 3 "):
+            mpo.mpo_advantages(v, v, tid)
+        tid[3] = torch.tensor([0, -1, 1, -1])
+        with pytest.raises(ValueError, match=r"in order 0, 1, 2.*row 4 "):
+            mpo.mpo_advantages(v, v, tid)
+
+
+def test_nan_count_covers_every_block():
+    """A NaN in two different blocks: the message counts both (it is computed on the whole
+    tensor once a block fails)."""
+    tid = torch.tensor([[0, 0, -1], [0, -1, -1], [0, 1, 1]])
+    v = torch.zeros(tid.shape, dtype=torch.float64)
+    v[0, 1] = math.nan
+    v[2, 2] = math.inf
+    v[1, 2] = math.nan                                           # off the turns: ignored
+    with cpu_block(tid.shape[1]):
+        with pytest.raises(ValueError, match=r"values holds NaN or inf at 2 action position"):
+            mpo.mpo_advantages(torch.zeros_like(v), v, tid)
+        r = torch.zeros_like(v)
+        r[2, 0] = 0.5
+        r[1, 1] = 1.0                                            # off the turns, in block 2
+        with pytest.raises(ValueError, match="rewards must be 0 off action positions"):
+            mpo.mpo_advantages(r, torch.zeros_like(v), tid)
