@@ -123,6 +123,10 @@ def bench_advantages(B, T, device, repeats):
         "mpo_advantages+validate": lambda: mpo.mpo_advantages(rewards, values, turn_ids),
         "mpo_advantages+L": lambda: mpo.mpo_advantages(rewards, values, turn_ids, num_turns=K,
                                                        max_turn_len=MAX_TURN_LEN, validate=False),
+        # the scan's worst case, ⌈log2 T⌉ doubling steps: what a GPU call without max_turn_len
+        # takes (on the CPU the fast path reads the longest turn instead, as a read costs no sync)
+        "mpo_advantages+T": lambda: mpo.mpo_advantages(rewards, values, turn_ids, num_turns=K,
+                                                       max_turn_len=T, validate=False),
         "token_gae": lambda: mpo.token_gae(rewards, values, act, validate=False),
     }, device, repeats)
     return t
@@ -164,9 +168,10 @@ def main():
           f"{torch.get_num_threads()} threads, {args.clock} clock, median of {args.repeats} "
           f"interleaved repeats, float32")
     print("mem: memory-bound time; fast: mpo_advantages(validate=False, num_turns=K); fast,L: "
-          "the same with max_turn_len=400; default: the default call (validate=True); loop: "
-          "per-token loop GAE; loss: policy_loss fwd+bwd")
-    print(f"{'device':6} {'B':>4} {'T':>5} {'GB/s':>5} | {'mem':>7} {'fast':>8} {'fast,L':>8} {'default':>8} "
+          "the same with max_turn_len=400; fast,T: with max_turn_len=T (a scan of log2 T steps); "
+          "default: the default call (validate=True); loop: per-token loop GAE; "
+          "loss: policy_loss fwd+bwd")
+    print(f"{'device':6} {'B':>4} {'T':>5} {'GB/s':>5} | {'mem':>7} {'fast':>8} {'fast,L':>8} {'fast,T':>8} {'default':>8} "
           f"{'loop':>8} {'tok_gae':>8} | {'fast/mem':>8} {'dflt/fast':>9} {'loop/fast':>9} | "
           f"{'loss mem':>8} {'token':>8} {'turn':>8} {'seq':>8} {'turn/tok':>8} {'tok/mem':>7}")
     for device in devices:
@@ -177,7 +182,7 @@ def main():
             mem, mem_loss = B * T * BYTES_ADV / bandwidth, B * T * BYTES_LOSS / bandwidth
             fast = a["mpo_advantages"]
             print(f"{device.type:6} {B:>4} {T:>5} {bandwidth / 1e9:5.1f} | {mem*1e3:5.2f}ms "
-                  f"{fast*1e3:6.1f}ms {a['mpo_advantages+L']*1e3:6.1f}ms "
+                  f"{fast*1e3:6.1f}ms {a['mpo_advantages+L']*1e3:6.1f}ms {a['mpo_advantages+T']*1e3:6.1f}ms "
                   f"{a['mpo_advantages+validate']*1e3:6.1f}ms "
                   f"{a['loop_gae']*1e3:6.0f}ms {a['token_gae']*1e3:6.1f}ms | {fast/mem:7.1f}x "
                   f"{a['mpo_advantages+validate']/fast:8.2f}x {a['loop_gae']/fast:8.1f}x | "
