@@ -2,6 +2,7 @@
 
     python experiments/benchmarks/bench_mpo.py            # 64x4096, 256x8192, 64x32768 (CPU; CUDA if present)
     python experiments/benchmarks/bench_mpo.py --quick    # small shapes, a few seconds
+    python experiments/benchmarks/bench_mpo.py --against 1fe0180   # and mpo.py of that commit
 
 Prints median wall times and the ratios issue 13 asks for:
   * memory-bound time: the bytes a call must move at least (its inputs read once, its outputs
@@ -14,10 +15,13 @@ Prints median wall times and the ratios issue 13 asks for:
 Times are medians over repeats measured side by side (interleaved), so machine noise hits all.
 """
 import argparse
+import importlib.util
 import pathlib
 import platform
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -27,6 +31,24 @@ import mpo  # noqa: E402
 
 
 MAX_TURN_LEN = 400                    # make_batch's turns are 20-399 tokens long
+THEN = None                           # --against REV: mpo.py as it was at REV, timed beside today's
+
+
+def load_mpo_at(rev):
+    """mpo.py of git revision `rev` as a module (git show into a temporary file)."""
+    root = pathlib.Path(__file__).resolve().parents[2]
+    try:
+        src = subprocess.run(["git", "show", f"{rev}:mpo.py"], cwd=root, check=True,
+                             capture_output=True, text=True).stdout
+    except (subprocess.CalledProcessError, FileNotFoundError) as e:
+        why = (getattr(e, "stderr", "") or str(e)).strip().splitlines()[0]
+        raise SystemExit(f"bench_mpo.py: --against {rev}: cannot read mpo.py at that revision ({why})")
+    path = pathlib.Path(tempfile.mkdtemp()) / "mpo_then.py"
+    path.write_text(src)
+    spec = importlib.util.spec_from_file_location("mpo_then", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def make_batch(B, T, device, seed=0):
@@ -83,14 +105,30 @@ def timed(fn, device):
 
 
 def compare(fns, device, repeats):
-    """Run the functions interleaved `repeats` times; return the median time of each."""
+    """Run the functions interleaved `repeats` times; return the median time of each.
+
+    The order rotates every repeat, so no contender always runs right after the same other one
+    (what a call costs depends on the memory the previous call left to the allocator)."""
     for fn in fns.values():
         fn()                                                       # warm-up
     times = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            times[name].append(timed(fn, device))
+    names = list(fns)
+    for r in range(repeats):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            times[name].append(timed(fns[name], device))
     return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def page_faults(fn):
+    """Minor page faults (fresh memory touched) during one call of fn, after a warm-up call."""
+    try:
+        import resource
+    except ImportError:                                            # not on Windows
+        return float("nan")
+    fn()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    fn()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
 
 
 def copy_bandwidth(device, mib=256, repeats=5):
@@ -128,7 +166,15 @@ def bench_advantages(B, T, device, repeats):
         "mpo_advantages+T": lambda: mpo.mpo_advantages(rewards, values, turn_ids, num_turns=K,
                                                        max_turn_len=T, validate=False),
         "token_gae": lambda: mpo.token_gae(rewards, values, act, validate=False),
+        **({} if THEN is None else {
+            "then": lambda: THEN.mpo_advantages(rewards, values, turn_ids, num_turns=K, validate=False),
+            "then+validate": lambda: THEN.mpo_advantages(rewards, values, turn_ids)}),
     }, device, repeats)
+    t["faults"] = page_faults(lambda: mpo.mpo_advantages(rewards, values, turn_ids, num_turns=K,
+                                                         validate=False))
+    if THEN is not None:
+        t["then faults"] = page_faults(lambda: THEN.mpo_advantages(rewards, values, turn_ids,
+                                                                   num_turns=K, validate=False))
     return t
 
 
@@ -154,8 +200,12 @@ def main():
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                     help="cpu: this process's CPU time (time.process_time), which other jobs on a "
                          "shared machine do not inflate; use it with --threads 1 (CPU only)")
+    ap.add_argument("--against", metavar="REV", help="also time mpo_advantages of this git revision "
+                    "(fast path and default call), interleaved with today's")
     args = ap.parse_args()
-    global CLOCK
+    global CLOCK, THEN
+    if args.against:
+        THEN = load_mpo_at(args.against)
     if args.clock == "cpu":
         if torch.cuda.is_available() or args.threads != 1:
             raise SystemExit("bench_mpo.py: --clock cpu needs --threads 1 and no GPU")
@@ -170,15 +220,15 @@ def main():
     print("mem: memory-bound time; fast: mpo_advantages(validate=False, num_turns=K); fast,L: "
           "the same with max_turn_len=400; fast,T: with max_turn_len=T (a scan of log2 T steps); "
           "default: the default call (validate=True); loop: per-token loop GAE; "
-          "loss: policy_loss fwd+bwd")
+          "loss: policy_loss fwd+bwd; faults: minor page faults in one fast call after a warm-up")
     print(f"{'device':6} {'B':>4} {'T':>5} {'GB/s':>5} | {'mem':>7} {'fast':>8} {'fast,L':>8} {'fast,T':>8} {'default':>8} "
           f"{'loop':>8} {'tok_gae':>8} | {'fast/mem':>8} {'dflt/fast':>9} {'loop/fast':>9} | "
-          f"{'loss mem':>8} {'token':>8} {'turn':>8} {'seq':>8} {'turn/tok':>8} {'tok/mem':>7}")
+          f"{'loss mem':>8} {'token':>8} {'turn':>8} {'seq':>8} {'turn/tok':>8} {'tok/mem':>7} | {'faults':>6}")
     for device in devices:
         bandwidth = copy_bandwidth(device)
         for B, T in shapes:
             a = bench_advantages(B, T, device, args.repeats)
-            l = bench_loss(B, T, device, args.repeats)
+            l = bench_loss(B, T, device, 3 * args.repeats)     # cheap, and noisier: more repeats
             mem, mem_loss = B * T * BYTES_ADV / bandwidth, B * T * BYTES_LOSS / bandwidth
             fast = a["mpo_advantages"]
             print(f"{device.type:6} {B:>4} {T:>5} {bandwidth / 1e9:5.1f} | {mem*1e3:5.2f}ms "
@@ -188,7 +238,12 @@ def main():
                   f"{a['mpo_advantages+validate']/fast:8.2f}x {a['loop_gae']/fast:8.1f}x | "
                   f"{mem_loss*1e3:6.2f}ms {l['token']*1e3:6.1f}ms {l['turn']*1e3:6.1f}ms "
                   f"{l['sequence']*1e3:6.1f}ms {l['turn']/l['token']:7.2f}x "
-                  f"{l['token']/mem_loss:6.1f}x", flush=True)
+                  f"{l['token']/mem_loss:6.1f}x | {a['faults']:6.0f}", flush=True)
+            if THEN is not None:
+                print(f"{'':6} {'':>4} {'':>5} {'':>5} | {args.against}: fast {a['then']*1e3:.1f}ms "
+                      f"({a['then']/mem:.1f}x mem, {a['then faults']:.0f} page faults), default "
+                      f"{a['then+validate']*1e3:.1f}ms; today {a['then']/fast:.2f}x and "
+                      f"{a['then+validate']/a['mpo_advantages+validate']:.2f}x faster", flush=True)
 
 
 if __name__ == "__main__":
