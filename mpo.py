@@ -62,9 +62,14 @@ RATIO_LEVELS = ("turn", "token", "sequence")
 CPU_BLOCK = 2**19                                  # positions per block: 2 MiB of float32
 
 
+def _on_cpu(x: torch.Tensor) -> bool:
+    """Whether x lives on the CPU, where blocks pay off and reading a number back costs no sync."""
+    return x.device.type == "cpu"
+
+
 def _row_blocks(x: torch.Tensor) -> list[slice]:
     """Slices of x's rows (dim 0) into blocks of about CPU_BLOCK elements on the CPU, else one."""
-    if x.dim() < 2 or x.device.type != "cpu" or x.shape[0] == 0:
+    if x.dim() < 2 or not _on_cpu(x) or x.shape[0] == 0:
         return [slice(None)]
     rows = max(1, CPU_BLOCK // max(x[0].numel(), 1))
     return [slice(r, r + rows) for r in range(0, x.shape[0], rows)]
@@ -690,7 +695,7 @@ def mpo_advantages(rewards: torch.Tensor, values: torch.Tensor, turn_ids: torch.
     K = num_turns if num_turns is not None else K
     B, T = turn_ids.shape
     dtype = _compute_dtype(values)
-    on_cpu = values.device.type == "cpu"
+    on_cpu = _on_cpu(values)
     adv = torch.empty(B, T, dtype=dtype, device=values.device)
     returns = torch.empty(B, T, dtype=dtype, device=values.device)
     # Rows are independent until (M5)'s batch statistics, so the fused body runs block by block

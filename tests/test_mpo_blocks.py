@@ -132,3 +132,57 @@ def test_nan_count_covers_every_block():
         r[1, 1] = 1.0                                            # off the turns, in block 2
         with pytest.raises(ValueError, match="rewards must be 0 off action positions"):
             mpo.mpo_advantages(r, torch.zeros_like(v), tid)
+
+
+@contextlib.contextmanager
+def no_host_reads():
+    """Make every read of a tensor's value back to Python (int(), float(), bool(), .item(),
+    .tolist()) raise: on a GPU each would be a sync."""
+    names = ("__int__", "__float__", "__bool__", "__index__", "item", "tolist")
+    saved = {n: getattr(torch.Tensor, n) for n in names}
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a tensor was read back to the host")
+    try:
+        for n in names:
+            setattr(torch.Tensor, n, refuse)
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(torch.Tensor, n, f)
+
+
+@given(adjacent_layouts(), st.integers(0, 2**31 - 1), lams, lams, betas, st.booleans(),
+       st.sampled_from(["mae", "lambda_return"]))
+def test_the_sync_free_path_of_other_devices_gives_the_same_numbers(layout, seed, lam, lam_intra,
+                                                                    beta, whiten, target):
+    """Off the CPU, mpo_advantages reads nothing back with validate=False: one block, K = T turn
+    columns and a ⌈log2 T⌉-step scan unless num_turns / max_turn_len are given. Run that path on
+    CPU tensors (mpo._on_cpu patched, every host read refused) against the loop reference."""
+    b = make_batch(layout, seed, reward_kind="sparse")
+    e_adv, e_ret = ref.mpo_advantages(b.rewards, b.values, b.turn_ids, lam, lam_intra, beta,
+                                      whiten, critic_target=target)
+    K, T = int(b.turn_ids.max()) + 1, b.turn_ids.shape[1]
+    old = mpo._on_cpu
+    mpo._on_cpu = lambda x: False
+    try:
+        with cpu_block(1):                                       # would be 1 row per block on a CPU
+            assert mpo._row_blocks(b.turn_ids) == [slice(None)]
+        for num_turns in (None, K + 1):
+            for max_turn_len in (None, T):
+                with no_host_reads():
+                    adv, ret = mpo.mpo_advantages(b.rewards, b.values, b.turn_ids, lam, lam_intra,
+                                                  beta, whiten, num_turns=num_turns,
+                                                  max_turn_len=max_turn_len, critic_target=target,
+                                                  validate=False)
+                close(adv, e_adv, atol=1e-9 if whiten else ATOL)
+                close(ret, e_ret)
+    finally:
+        mpo._on_cpu = old
+
+
+def test_the_cpu_fast_path_does_read_back():
+    """On the CPU the fast path reads the turn count and the longest turn (no sync to avoid)."""
+    b = make_batch(Layout([RowLayout(1, [3, 4], [0, 2], False)]), seed=0)
+    with no_host_reads(), pytest.raises(AssertionError, match="read back"):
+        mpo.mpo_advantages(b.rewards, b.values, b.turn_ids, validate=False)
