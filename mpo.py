@@ -110,17 +110,6 @@ def _check_float(name: str, x: torch.Tensor, mask: torch.Tensor | None = None) -
             raise ValueError(f"{name} holds NaN or inf at {int(bad.sum())} action position(s)")
 
 
-def _check_turn_ids(turn_ids) -> int:
-    """Check the turn layout and return K, the most turns of any row (0 if there is none)."""
-    _check_tensor("turn_ids", turn_ids)
-    if turn_ids.dtype.is_floating_point or turn_ids.dtype == torch.bool or turn_ids.is_complex():
-        raise TypeError(f"turn_ids must be an integer tensor (int64), got {turn_ids.dtype}")
-    B, T = turn_ids.shape
-    if B == 0 or T == 0:
-        return 0                                   # an empty batch: valid, no turn
-    return max(_check_turn_layout(turn_ids[rs], rs.start or 0) for rs in _row_blocks(turn_ids))
-
-
 def _check_turn_layout(turn_ids: torch.Tensor, first_row: int) -> int:
     """_check_turn_ids on a block of rows (row numbers in messages count from first_row)."""
     lowest, highest = (int(x) for x in torch.aminmax(turn_ids))
@@ -143,6 +132,17 @@ def _check_turn_layout(turn_ids: torch.Tensor, first_row: int) -> int:
         raise ValueError("turn_ids: turns must appear in order 0, 1, 2, ... in each row, without "
                          f"gaps (row {first_row + b} has runs numbered {ids[:8]})")
     return max(highest, -1) + 1
+
+
+def _check_turn_ids(turn_ids) -> int:
+    """Check the turn layout and return K, the most turns of any row (0 if there is none)."""
+    _check_tensor("turn_ids", turn_ids)
+    if turn_ids.dtype.is_floating_point or turn_ids.dtype == torch.bool or turn_ids.is_complex():
+        raise TypeError(f"turn_ids must be an integer tensor (int64), got {turn_ids.dtype}")
+    B, T = turn_ids.shape
+    if B == 0 or T == 0:
+        return 0                                   # an empty batch: valid, no turn
+    return max(_check_turn_layout(turn_ids[rs], rs.start or 0) for rs in _row_blocks(turn_ids))
 
 
 def _check_number(name: str, x, ok, what: str) -> float:
@@ -737,8 +737,8 @@ def _turn_ratio(log_ratio: torch.Tensor, turn_ids: torch.Tensor, max_log_ratio: 
     S = torch.zeros(log_ratio.shape[0], turn_ids.shape[1] + 1, dtype=log_ratio.dtype,
                     device=log_ratio.device).scatter_add_(1, idx, log_ratio.detach())
     S = S.clamp_(-max_log_ratio, max_log_ratio)                                # (B, K = T + 1)
-    lr_sg = log_ratio.detach()
-    return torch.exp(log_ratio + (torch.gather(S, 1, idx) - lr_sg)), S      # (B, T), sg = .detach()
+    log_ratio_sg = log_ratio.detach()
+    return torch.exp(log_ratio + (torch.gather(S, 1, idx) - log_ratio_sg)), S      # (B, T), sg = .detach()
 
 
 def turn_ratio(logp: torch.Tensor, old_logp: torch.Tensor, turn_ids: torch.Tensor,
