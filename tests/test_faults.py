@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -109,7 +110,9 @@ def test_kill_9_after_a_random_delay_then_resume_or_a_clear_refusal(base, whole)
     assert proc.returncode in (-9, 0), proc.stderr[-2000:]
     if not list((out / "checkpoints").glob("step_*[0-9]")):
         proc = child(base, "none", *ARGS, "--resume", "--out_dir", str(out), check=False)
-        assert proc.returncode == 1 and "--resume: no checkpoints" in proc.stderr
+        # killed before the checkpoints folder exists, or while its first step was being written
+        assert proc.returncode == 1 and re.search(r"--resume: no (checkpoints|intact checkpoint)",
+                                                  proc.stderr), proc.stderr[-2000:]
         assert "Traceback" not in proc.stderr
         child(base, "none", *ARGS, "--overwrite", "--out_dir", str(out))
     else:
