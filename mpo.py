@@ -590,8 +590,8 @@ def _mpo_rows(rewards, values, turn_ids, lam, lam_intra, beta, K, span, read_spa
     zero = torch.zeros((), dtype=dtype, device=dev)
     values, rewards = values.to(dtype), rewards.to(dtype)                     # no copy if float32/64
     act = turn_ids >= 0                                                        # (B, T)
-    inside = torch.zeros_like(act)                                             # (B, T) p + 1 is in
-    torch.eq(turn_ids[:, 1:], turn_ids[:, :-1], out=inside[:, :-1]).logical_and_(act[:, :-1])  # p's turn
+    inside = torch.zeros_like(act)                             # (B, T): p + 1 is in p's turn
+    torch.eq(turn_ids[:, 1:], turn_ids[:, :-1], out=inside[:, :-1]).logical_and_(act[:, :-1])
     # 1. Turn bounds. key = 2 (turns begun so far) − act is 2k + 1 on turn k's tokens and 2k + 2
     #    between turn k and turn k + 1: non-decreasing, so a binary search for 2k + 1 finds turn k's
     #    first token and one for 2k + 2 the position after its last (T for a turn the row lacks).
@@ -611,10 +611,11 @@ def _mpo_rows(rewards, values, turn_ids, lam, lam_intra, beta, K, span, read_spa
     delta = torch.empty(B, T, dtype=dtype, device=dev)
     delta[:, :-1] = values[:, 1:]                                              # v[p + 1], junk off turns
     delta[:, -1:] = 0
-    if K:                                          # V_{t+1,1} on each turn's last token, written over
+    if K:      # V_{t+1,1} over v[p + 1] on each turn's last token. A turn the row lacks writes
+        #        its 0 at the row's last action token, whose own V_{t+1,1} is 0 too (no next turn)
         row_last = end.gather(1, (has_turn.sum(1, keepdim=True) - 1).clamp(min=0)) - 1   # (B, 1)
-        last = torch.where(has_turn, end - 1, row_last).clamp(0, T - 1)        # (B, K); turns a row
-        delta.scatter_(1, last, v_next_start)      # lacks rewrite its last turn's V_{t+1,1} = 0
+        last = torch.where(has_turn, end - 1, row_last).clamp(0, T - 1)        # (B, K)
+        delta.scatter_(1, last, v_next_start)
     torch.where(act, delta.add_(rewards).sub_(values), zero, out=delta)        # (B, T), 0 off turns
     # 3. (M2) δ^turn_t = Σ_i δ_{t,i} and (M3) A^turn, on (B, K)
     idx = torch.where(act, turn_ids, K)                                        # (B, T) -1 -> column K
