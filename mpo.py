@@ -106,7 +106,9 @@ def _check_float(name: str, x: torch.Tensor, mask: torch.Tensor | None = None) -
         # (without the overflow a plain sum of large finite values could have); then count them.
         y = x[rs].clone() if mask is None else torch.where(mask[rs], x[rs], zero)
         if y.numel() and not bool(torch.isfinite(y.sub_(y).sum())):
-            bad = ~torch.isfinite(x) if mask is None else ~torch.isfinite(x) & mask
+            bad = ~torch.isfinite(x)
+            if mask is not None:
+                bad &= mask
             raise ValueError(f"{name} holds NaN or inf at {int(bad.sum())} action position(s)")
 
 
@@ -704,13 +706,12 @@ def mpo_advantages(rewards: torch.Tensor, values: torch.Tensor, turn_ids: torch.
     n = torch.zeros((), dtype=dtype, device=values.device)                    # action tokens
     total = torch.zeros((), dtype=dtype, device=values.device)                # Σ A^MAE
     masks = []                                                                 # each block's act
+    # Reading the longest turn back costs nothing on the CPU and a sync elsewhere, which
+    # validation makes anyway; without it the intra-turn scan takes ⌈log2 T⌉ steps.
+    read_span = max_turn_len is None and (on_cpu or validate)
     for rs in blocks:
         ids = turn_ids[rs]
-        k = K if K is not None else (int(ids.amax(dim=1).clamp(min=-1).amax()) + 1
-                                    if on_cpu and T else T)
-        # Reading the longest turn back costs nothing on the CPU and a sync elsewhere, which
-        # validation makes anyway; without it the intra-turn scan takes ⌈log2 T⌉ steps.
-        read_span = max_turn_len is None and (on_cpu or validate)
+        k = K if K is not None else (max(int(ids.max()), -1) + 1 if on_cpu else T)
         act, total_b = _mpo_rows(rewards[rs], values[rs], ids, lam, lam_intra, beta, k,
                                  max_turn_len, read_span, critic_target, adv[rs], returns[rs])
         masks.append(act)

@@ -32,6 +32,19 @@ settings.register_profile("mpo-thorough", max_examples=300, **_common)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "mpo"))
 
 GARBAGE_SCALE = 1e3  # magnitude of the values written at non-action positions
+ATOL = 1e-10         # the float64 tolerance of the loop-reference tests
+
+
+def close(actual, expected, atol: float = ATOL, where=None) -> None:
+    """max |actual - expected| <= atol (over `where` if given), compared in float64 (Python numbers
+    and lists become float64 directly; torch.as_tensor alone would round them to float32)."""
+    a, e = (x.detach().to(torch.float64) if isinstance(x, torch.Tensor)
+            else torch.as_tensor(x, dtype=torch.float64) for x in (actual, expected))
+    assert a.shape == e.shape, (a.shape, e.shape)
+    if where is not None:
+        a, e = a[where], e[where]
+    err = (a - e).abs().max().item() if a.numel() else 0.0
+    assert err <= atol, f"max abs error {err:.3e} > {atol:.0e}"
 
 
 # --- Layouts --------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 import mpo
 import reference as ref
-from conftest import Layout, RowLayout, betas, lams, make_batch
+from conftest import close, Layout, RowLayout, betas, lams, make_batch
 
 ATOL = 1e-10
 
@@ -46,12 +46,6 @@ def adjacent_layouts(draw):
         obs = draw(st.lists(st.integers(0, 3), min_size=n, max_size=n))
         rows.append(RowLayout(draw(st.integers(0, 3)), turns, obs, draw(st.booleans())))
     return Layout(rows, extra_pad=draw(st.integers(0, 2)))
-
-
-def close(a, e, atol=ATOL):
-    assert a.shape == e.shape
-    err = (a.double() - e.double()).abs().max().item() if a.numel() else 0.0
-    assert err <= atol, f"max abs error {err:.3e} > {atol:.0e}"
 
 
 @given(adjacent_layouts(), st.integers(0, 2**31 - 1), lams, lams, betas, st.booleans(),

@@ -15,18 +15,9 @@ from hypothesis import strategies as st
 
 import mpo
 import reference as ref
-from conftest import batches, betas, lams
+from conftest import close, batches, betas, lams
 
 ATOL = 1e-10
-
-
-def close(a, e, atol=ATOL, where=None):
-    a, e = a.detach().double(), e.detach().double()
-    assert a.shape == e.shape
-    if where is not None:
-        a, e = a[where], e[where]
-    err = (a - e).abs().max().item() if a.numel() else 0.0
-    assert err <= atol, f"max abs error {err:.3e} > {atol:.0e}"
 
 
 def parts(b, lam, lam_intra, beta=1.0):

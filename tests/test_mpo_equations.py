@@ -14,21 +14,11 @@ from hypothesis import strategies as st
 
 import mpo
 import reference as ref
-from conftest import (Layout, RowLayout, batches, betas, insert_minus_one_positions, lams,
+from conftest import (close, Layout, RowLayout, batches, betas, insert_minus_one_positions, lams,
                       make_batch)
 
 ATOL = 1e-10
 whiten_fn = mpo.masked_whiten
-
-
-def close(actual: torch.Tensor, expected: torch.Tensor, atol: float = ATOL, where=None):
-    """max |actual - expected| <= atol (over `where` if given), compared in float64."""
-    a, e = actual.detach().to(torch.float64), expected.detach().to(torch.float64)
-    assert a.shape == e.shape, (a.shape, e.shape)
-    if where is not None:
-        a, e = a[where], e[where]
-    err = (a - e).abs().max().item() if a.numel() else 0.0
-    assert err <= atol, f"max abs error {err:.3e} > {atol:.0e}"
 
 
 def assert_zero_off_action(x: torch.Tensor, turn_ids: torch.Tensor):

@@ -16,29 +16,12 @@ from hypothesis import strategies as st
 
 import mpo
 import reference as ref
-from conftest import (Layout, RowLayout, batches, betas, insert_minus_one_positions, lams,
+from conftest import (close, Layout, RowLayout, batches, betas, insert_minus_one_positions, lams,
                       make_batch)
 
 ATOL = 1e-10
 FRAC_TOL = 1e-7  # count fractions: exact in any float dtype up to its rounding
 LEVELS = ("turn", "token", "sequence")
-
-
-def _f64(x):
-    # python numbers / lists must become float64 directly (torch.as_tensor would round to float32)
-    if isinstance(x, torch.Tensor):
-        return x.detach().to(torch.float64)
-    return torch.as_tensor(x, dtype=torch.float64)
-
-
-def close(actual, expected, atol=ATOL, where=None):
-    a = _f64(actual)
-    e = _f64(expected)
-    assert a.shape == e.shape, (a.shape, e.shape)
-    if where is not None:
-        a, e = a[where], e[where]
-    err = (a - e).abs().max().item() if a.numel() else 0.0
-    assert err <= atol, f"max abs error {err:.3e} > {atol:.0e}"
 
 
 def rand_adv(b, seed=0):

@@ -11,15 +11,9 @@ from hypothesis import strategies as st
 
 import mpo
 import reference as ref
-from conftest import batches, lams
+from conftest import close, batches, lams
 
 ATOL = 1e-10
-
-
-def close(a, e, atol=ATOL):
-    assert a.shape == e.shape
-    err = (a.detach().double() - e.double()).abs().max().item() if a.numel() else 0.0
-    assert err <= atol, f"max abs error {err:.3e} > {atol:.0e}"
 
 
 @given(batches(max_turn_len=60), st.sampled_from([0.05, 0.01, 0.2, 1.0]), lams, st.booleans())
