@@ -71,7 +71,9 @@ def test_blocked_mpo_advantages_match_the_loop_reference(layout, seed, lam, lam_
                         validate=validate)
                     close(adv, e_adv, atol=1e-9 if whiten else ATOL)
                     close(ret, e_ret)
-                    assert torch.all(adv[b.turn_ids < 0] == 0) and torch.all(ret[b.turn_ids < 0] == 0)
+                    off = b.turn_ids < 0                     # +0.0 there (a -0.0 prints as such)
+                    assert torch.all(adv[off] == 0) and torch.all(ret[off] == 0)
+                    assert not torch.signbit(adv[off]).any() and not torch.signbit(ret[off]).any()
 
 
 def test_whitening_pools_every_block():
@@ -180,3 +182,28 @@ def test_the_cpu_fast_path_does_read_back():
     b = make_batch(Layout([RowLayout(1, [3, 4], [0, 2], False)]), seed=0)
     with no_host_reads(), pytest.raises(AssertionError, match="read back"):
         mpo.mpo_advantages(b.rewards, b.values, b.turn_ids, validate=False)
+
+
+@pytest.mark.parametrize("gap", [0, 1])
+def test_rows_of_more_than_256_turns_match_the_loop_reference(gap):
+    """The fused body compares turn ids by their low byte (id + 1 mod 256), which wraps at turn
+    255 against the 0 of non-turn positions: rows of 600 one- and two-token turns, adjacent
+    (gap 0) or each followed by one observation token, still match the loop reference, on the
+    CPU path and on the sync-free path of other devices."""
+    turns = [1 + (k % 3 == 0) for k in range(600)]
+    layout = Layout([RowLayout(1, turns, [gap] * len(turns), False),
+                     RowLayout(0, turns[:300], [gap] * 300, True)])
+    b = make_batch(layout, seed=3, reward_kind="dense")
+    e_adv, e_ret = ref.mpo_advantages(b.rewards, b.values, b.turn_ids, 0.8, 0.95, 1.0, False)
+    assert int(b.turn_ids.max()) == 599
+    adv, ret = mpo.mpo_advantages(b.rewards, b.values, b.turn_ids, whiten=False)
+    close(adv, e_adv, atol=ATOL)
+    close(ret, e_ret)
+    old = mpo._on_cpu
+    mpo._on_cpu = lambda x: False
+    try:
+        adv, ret = mpo.mpo_advantages(b.rewards, b.values, b.turn_ids, whiten=False, validate=False)
+    finally:
+        mpo._on_cpu = old
+    close(adv, e_adv, atol=ATOL)
+    close(ret, e_ret)
