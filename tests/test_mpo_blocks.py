@@ -207,3 +207,31 @@ def test_rows_of_more_than_256_turns_match_the_loop_reference(gap):
         mpo._on_cpu = old
     close(adv, e_adv, atol=ATOL)
     close(ret, e_ret)
+
+
+def _row_of_runs(ids: list[int], gap: int) -> list[int]:
+    """One row: a token of each run id in `ids`, each followed by `gap` non-turn tokens."""
+    return [x for k in ids for x in [k] + [-1] * gap]
+
+
+@pytest.mark.parametrize("gap", [0, 1])
+def test_turn_layout_check_is_exact_on_both_sides_of_its_byte_path(gap):
+    """_check_turn_layout compares bytes when every id is <= 254 and int64 ids otherwise. On
+    both sides: valid layouts of 255, 256 and 600 turns pass and give K; a row that restarts at
+    0 after 255 turns (ids congruent mod 256 to their ranks would be 255 + 1 = 256 ≡ 0, the
+    case the byte compare must still catch), a skipped id past 255, and an id 256 apart from
+    its rank are refused."""
+    for n in (255, 256, 600):
+        assert mpo._check_turn_ids(torch.tensor([_row_of_runs(list(range(n)), gap)])) == n
+    bad_rows = [list(range(255)) + [0],                  # byte path: a 256th run numbered 0
+                list(range(255)) + [0, 1],
+                list(range(300)) + [301],                # int64 path: a gap in the numbering
+                list(range(3)) + [259]]                  # an id 256 above its rank
+    for ids in bad_rows:
+        with pytest.raises(ValueError, match="turn_ids: "):
+            mpo._check_turn_ids(torch.tensor([_row_of_runs(ids, gap)]))
+    # a bad row after good ones, in a later block: named by its own row number
+    restarts = _row_of_runs(list(range(255)) + [0], gap)
+    rows = torch.tensor([_row_of_runs(list(range(256)), gap), restarts])
+    with cpu_block(rows.shape[1]), pytest.raises(ValueError, match=r"row 1 "):
+        mpo._check_turn_ids(rows)
