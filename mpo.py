@@ -260,6 +260,8 @@ def _reverse_scan(b: torch.Tensor, a: torch.Tensor, scratch: bool, span: int | N
 
     span: an upper bound on the length of the segments a cuts (runs of non-zero decays, plus
     one): ⌈log2 span⌉ doubling steps then reach every segment's end, instead of ⌈log2 n⌉.
+    b may have more leading dimensions than a (several recurrences with the same decays, e.g.
+    (2, B, T) with a (B, T)): the decays' products are then formed once for all of them.
 
     Each step writes into a second buffer (x_i + a_i x_{i+d} reads x_{i+d}, which the step also
     updates), so the products are formed straight into their destination, without temporaries.
@@ -693,7 +695,14 @@ def _mpo_rows(rewards, values, turn_ids, lam, lam_intra, beta, K, span, read_spa
     adv_turn = _reverse_scan(delta_turn, has_turn.to(dtype).mul_(lam), scratch=True)   # (B, K)
     # 4. (M4) intra-turn traces: the scan with decay λ_intra inside a turn, 0 at its end
     decay = inside.view(torch.uint8).to(dtype).mul_(lam_intra)                 # (B, T)
-    adv_intra = _reverse_scan(delta, decay, scratch=True, span=span)           # (B, T)
+    if critic_target == "mae" or not K:
+        adv_intra = _reverse_scan(delta, decay, scratch=True, span=span)       # (B, T)
+    else:      # `multiscale_lambda_returns`: G − V is the same trace of the residuals with
+        #        λ A^turn_{t+1} added on each turn's last token; both in one scan (shared decays)
+        both = torch.empty(2, B, T, dtype=dtype, device=dev)
+        both[0], both[1] = delta, delta
+        both[1].scatter_add_(1, last, F.pad(adv_turn[:, 1:], (0, 1)).mul_(lam))  # 0 for no turn
+        adv_intra, g_minus_v = _reverse_scan(both, decay, scratch=True, span=span)  # (B, T) each
     # 5. Eq. (20): A^MAE = (A^turn_t − β mean_i A^intra_{t,i}) + β A^intra, one gather; the
     #    spare column 0 (turn id −1, shifted by one) gives the non-turn positions their 0
     mean_intra = _turn_sums(adv_intra, bounds) / length.clamp(min=1)       # (B, K)
@@ -701,9 +710,8 @@ def _mpo_rows(rewards, values, turn_ids, lam, lam_intra, beta, K, span, read_spa
     torch.gather(base, 1, shifted, out=adv).add_(adv_intra, alpha=beta)  # (B, T), 0 off turns
     if critic_target == "mae":
         returns.add_(adv)                                                      # V + A^MAE
-    else:
-        returns.copy_(multiscale_lambda_returns(v, adv_turn, adv_intra, turn_ids, lam, lam_intra,
-                                                validate=False))
+    elif K:
+        returns.add_(g_minus_v)                                                # G
     return act, adv.sum()
 
 
