@@ -674,18 +674,21 @@ def _mpo_rows(rewards, values, turn_ids, lam, lam_intra, beta, K, span, read_spa
     has_turn = length > 0
     if read_span:                                  # the longest turn: ⌈log2⌉ of it scan steps
         span = int(length.max()) if K else 1
-    # 2. (M1) δ = r + V_next − V; V_next = v[p + 1] inside a turn, V_{t+1,1} on its last token
+    # 2. (M1) δ = r + V_next − V, with v = V masked to 0 off the turns. v[p + 1] − v[p] is δ − r
+    #    inside a turn and 0 between turns, except just before a turn's first token: write 0
+    #    there, then V_{t+1,1} − v[p] on each turn's last token (V_{t+1,1} = 0 after the last
+    #    turn). A turn the row lacks (start = end = T) writes 0 at T − 1, which is off the turns
+    #    or a last token written again next, and at the row's last action token that token's
+    #    own value again; a row without turns writes 0 at T − 1.
     v = torch.where(act, values.to(dtype), zero, out=returns)                 # (B, T) V, 0 off turns
     v_start = torch.where(has_turn, v.gather(1, start.clamp(max=T - 1)), zero)   # (B, K) V_{t,1}
-    v_next_start = F.pad(v_start[:, 1:], (0, 1))                               # (B, K) V_{t+1,1}, 0 after
+    v_next_start = F.pad(v_start[:, 1:], (0, 1))                               # (B, K) V_{t+1,1}
     delta = torch.empty(B, T, dtype=dtype, device=dev)
-    torch.sub(v[:, 1:], v[:, :-1], out=delta[:, :-1])                          # v[p + 1] − v[p]: 0 off
-    delta[:, -1] = -v[:, -1]                                                   # turns but before a
-    if K:                                                                      # turn's first token,
-        before = torch.where(start > 0, start - 1, T - 1)                      # so write 0 there; then
-        delta.scatter_(1, before, zero.expand(B, K))                           # V_{t+1,1} − v[p] on
-        # each turn's last token (T - 1 is rewritten below if a turn ends there, else it is off
-        # the turns and 0). A turn the row lacks writes the row's last action token's own value
+    torch.sub(v[:, 1:], v[:, :-1], out=delta[:, :-1])                          # (B, T) v[p + 1] − v[p]
+    delta[:, -1] = -v[:, -1]                                                   # nothing after T − 1
+    if K:
+        before = torch.where(start > 0, start - 1, T - 1)                      # (B, K)
+        delta.scatter_(1, before, zero.expand(B, K))
         row_last = end.gather(1, (has_turn.sum(1, keepdim=True) - 1).clamp(min=0)) - 1   # (B, 1)
         last = torch.where(has_turn, end - 1, row_last).clamp(0, T - 1)        # (B, K)
         delta.scatter_(1, last, v_next_start - v.gather(1, last))

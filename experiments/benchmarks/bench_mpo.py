@@ -165,6 +165,9 @@ def bench_advantages(B, T, device, repeats):
         # takes (on the CPU the fast path reads the longest turn instead, as a read costs no sync)
         "mpo_advantages+T": lambda: mpo.mpo_advantages(rewards, values, turn_ids, num_turns=K,
                                                        max_turn_len=T, validate=False),
+        # the λ-return critic target (train_min.py's default) on the fast path
+        "mpo_advantages+G": lambda: mpo.mpo_advantages(rewards, values, turn_ids, num_turns=K,
+                                                       critic_target="lambda_return", validate=False),
         "token_gae": lambda: mpo.token_gae(rewards, values, act, validate=False),
         **({} if THEN is None else {
             "then": lambda: THEN.mpo_advantages(rewards, values, turn_ids, num_turns=K, validate=False),
@@ -219,9 +222,10 @@ def main():
           f"interleaved repeats, float32")
     print("mem: memory-bound time; fast: mpo_advantages(validate=False, num_turns=K); fast,L: "
           "the same with max_turn_len=400; fast,T: with max_turn_len=T (a scan of log2 T steps); "
+          "fast,G: with critic_target='lambda_return'; "
           "default: the default call (validate=True); loop: per-token loop GAE; "
           "loss: policy_loss fwd+bwd; faults: minor page faults in one fast call after a warm-up")
-    print(f"{'device':6} {'B':>4} {'T':>5} {'GB/s':>5} | {'mem':>7} {'fast':>8} {'fast,L':>8} {'fast,T':>8} {'default':>8} "
+    print(f"{'device':6} {'B':>4} {'T':>5} {'GB/s':>5} | {'mem':>7} {'fast':>8} {'fast,L':>8} {'fast,T':>8} {'fast,G':>8} {'default':>8} "
           f"{'loop':>8} {'tok_gae':>8} | {'fast/mem':>8} {'dflt/fast':>9} {'loop/fast':>9} | "
           f"{'loss mem':>8} {'token':>8} {'turn':>8} {'seq':>8} {'turn/tok':>8} {'tok/mem':>7} | {'faults':>6}")
     for device in devices:
@@ -233,7 +237,7 @@ def main():
             fast = a["mpo_advantages"]
             print(f"{device.type:6} {B:>4} {T:>5} {bandwidth / 1e9:5.1f} | {mem*1e3:5.2f}ms "
                   f"{fast*1e3:6.1f}ms {a['mpo_advantages+L']*1e3:6.1f}ms {a['mpo_advantages+T']*1e3:6.1f}ms "
-                  f"{a['mpo_advantages+validate']*1e3:6.1f}ms "
+                  f"{a['mpo_advantages+G']*1e3:6.1f}ms {a['mpo_advantages+validate']*1e3:6.1f}ms "
                   f"{a['loop_gae']*1e3:6.0f}ms {a['token_gae']*1e3:6.1f}ms | {fast/mem:7.1f}x "
                   f"{a['mpo_advantages+validate']/fast:8.2f}x {a['loop_gae']/fast:8.1f}x | "
                   f"{mem_loss*1e3:6.2f}ms {l['token']*1e3:6.1f}ms {l['turn']*1e3:6.1f}ms "
