@@ -633,8 +633,9 @@ def _turn_sums(x: torch.Tensor, bounds: torch.Tensor, chunk: int = 64) -> torch.
 def _mpo_rows(rewards, values, turn_ids, lam, lam_intra, beta, K, span, read_span, critic_target,
               adv, returns):
     """`mpo_advantages` on a block of rows: (M1)–(M4) and Eq. (20) fused, written into `adv`
-    (not whitened) and the critic target into `returns`; returns the action mask and Σ adv.
-    span: the scan's bound (see `_reverse_scan`); read_span: set it from the longest turn.
+    (not whitened) and the critic target into `returns`; returns the action mask, Σ adv and
+    the scan's bound. span: that bound (see `_reverse_scan`); read_span: set it from the
+    block's longest turn (1 if the block has none).
 
     It computes exactly what the functions above compute, with each (B, T) tensor read and
     written as few times as possible: turns are contiguous and in order, so one cumsum and a
@@ -715,7 +716,13 @@ def _mpo_rows(rewards, values, turn_ids, lam, lam_intra, beta, K, span, read_spa
         returns.add_(adv)                                                      # V + A^MAE
     elif K:
         returns.add_(g_minus_v)                                                # G
-    return act, adv.sum()
+    return act, adv.sum(), span
+
+
+def _refuse_max_turn_len(max_turn_len, turn_ids, K):
+    longest = int(_per_turn_sum((turn_ids >= 0).long(), turn_ids, K).amax()) if K else 0
+    raise ValueError(f"max_turn_len must be a whole number >= the longest turn "
+                     f"({longest} tokens), got {max_turn_len!r}")
 
 
 def mpo_advantages(rewards: torch.Tensor, values: torch.Tensor, turn_ids: torch.Tensor,
@@ -763,12 +770,10 @@ def mpo_advantages(rewards: torch.Tensor, values: torch.Tensor, turn_ids: torch.
         K = _validate_rewards_values(rewards, values, turn_ids)
         if num_turns is not None and num_turns < K:
             raise ValueError(f"num_turns={num_turns} but turn_ids holds {K} turns")
-        if max_turn_len is not None:
-            longest = int(_per_turn_sum((turn_ids >= 0).long(), turn_ids, K).amax()) if K else 0
-            if isinstance(max_turn_len, bool) or not isinstance(max_turn_len, numbers.Integral) \
-                    or max_turn_len < max(longest, 1):
-                raise ValueError(f"max_turn_len must be a whole number >= the longest turn "
-                                 f"({longest} tokens), got {max_turn_len!r}")
+        if max_turn_len is not None and (isinstance(max_turn_len, bool)
+                                         or not isinstance(max_turn_len, numbers.Integral)
+                                         or max_turn_len < 1):
+            _refuse_max_turn_len(max_turn_len, turn_ids, K)
     else:
         K = None                                   # per block: read on the CPU, else T (no sync)
         lam, lam_intra, beta = (x if isinstance(x, (int, float)) else float(x)   # numpy, 0-dim
@@ -785,16 +790,22 @@ def mpo_advantages(rewards: torch.Tensor, values: torch.Tensor, turn_ids: torch.
     total = torch.zeros((), dtype=dtype, device=values.device)                # Σ A^MAE
     masks = []                                                                 # each block's act
     # Reading the longest turn back costs nothing on the CPU and a sync elsewhere, which
-    # validation makes anyway; without it the intra-turn scan takes ⌈log2 T⌉ steps.
-    read_span = max_turn_len is None and (on_cpu or validate)
+    # validation makes anyway (and needs, to check max_turn_len); without it the intra-turn scan
+    # takes ⌈log2 T⌉ steps.
+    read_span = validate or (max_turn_len is None and on_cpu)
+    longest = 1
     for rs in blocks:
         ids = turn_ids[rs]
         k = K if K is not None else (max(int(ids.max()), -1) + 1 if on_cpu else T)
-        act, total_b = _mpo_rows(rewards[rs], values[rs], ids, lam, lam_intra, beta, k,
-                                 max_turn_len, read_span, critic_target, adv[rs], returns[rs])
+        act, total_b, span = _mpo_rows(rewards[rs], values[rs], ids, lam, lam_intra, beta, k,
+                                       max_turn_len, read_span, critic_target, adv[rs],
+                                       returns[rs])
         masks.append(act)
         n += act.sum()
         total += total_b
+        longest = max(longest, span) if read_span else longest
+    if validate and max_turn_len is not None and max_turn_len < longest:
+        _refuse_max_turn_len(max_turn_len, turn_ids, K)
     if whiten:                                     # (M5) over the whole batch, block by block
         mean = total / n.clamp(min=1)
         squares = torch.zeros((), dtype=dtype, device=values.device)
