@@ -587,6 +587,8 @@ def multiscale_lambda_returns(values: torch.Tensor, adv_turn: torch.Tensor, adv_
 
 
 CRITIC_TARGETS = ("mae", "lambda_return")
+TURN_MATMUL_MAX = 256             # `_mpo_rows` forms A^turn as a (K, K) product up to this many turns
+CLOSED_FORM_LAM_INTRA = 0.99       # `_mpo_rows` sums a turn's traces in closed form up to this λ_intra
 
 
 # ---------------------------------------------------------------------------------------------
@@ -630,18 +632,36 @@ def _turn_sums(x: torch.Tensor, bounds: torch.Tensor, chunk: int = 64) -> torch.
     return (upto[:, 1::2] - upto[:, 0::2]).to(x.dtype)                     # (B, K)
 
 
+def _turn_gae_rows(delta_turn: torch.Tensor, has_turn: torch.Tensor, lam: float) -> torch.Tensor:
+    """`turn_gae` for `_mpo_rows`, where a row's turns are its first columns and δ^turn is 0
+    past them: A^turn_t = Σ_{j>=t} λ^(j−t) δ^turn_j is then one product with the (K, K) matrix
+    W[j, t] = λ^(j−t) (j >= t), in float64 (so TF32 never touches it), for K up to
+    TURN_MATMUL_MAX turns (the scan takes ⌈log2 K⌉ steps of small operations, ~10x the time).
+    """
+    K = delta_turn.shape[1]
+    if K > TURN_MATMUL_MAX:
+        return _reverse_scan(delta_turn, has_turn.to(delta_turn.dtype).mul_(lam), scratch=False)
+    acc = torch.float64 if delta_turn.device.type != "mps" else delta_turn.dtype
+    gap = torch.arange(K, device=delta_turn.device)
+    gap = gap[:, None] - gap[None, :]                                          # (K, K) j − t
+    W = torch.where(gap >= 0, torch.tensor(lam, dtype=acc, device=delta_turn.device).pow(gap), 0.0)
+    return (delta_turn.to(acc) @ W).to(delta_turn.dtype)                      # (B, K)
+
+
 def _mpo_rows(rewards, values, turn_ids, lam, lam_intra, beta, K, span, read_span, critic_target,
               adv, returns):
     """`mpo_advantages` on a block of rows: (M1)–(M4) and Eq. (20) fused, written into `adv`
-    (not whitened) and the critic target into `returns`; returns the action mask, Σ adv and
-    the scan's bound. span: that bound (see `_reverse_scan`); read_span: set it from the
-    block's longest turn (1 if the block has none).
+    (not whitened) and the critic target into `returns`; returns the action mask, Σ adv, the
+    action-token count and the scan's bound. span: that bound (see `_reverse_scan`);
+    read_span: set it from the block's longest turn (1 if the block has none).
 
-    It computes exactly what the functions above compute, with each (B, T) tensor read and
-    written as few times as possible: turns are contiguous and in order, so one cumsum and a
-    binary search give every turn's first and past-the-last position (B, K), from which come
-    L_t, the turn-start values V_{t,1}, V_next at a turn's last token and every per-turn sum
-    (`_turn_sums`); inside a turn V_next is v[p + 1]. Masks enter arithmetic as 0/1 floats
+    It computes what the functions above compute (to rounding), with each (B, T) tensor read
+    and written as few times as possible: turns are contiguous and in order, so one cumsum and
+    a binary search give every turn's first and past-the-last position (B, K), from which come
+    L_t, the turn-start values V_{t,1}, V_next at a turn's last token and δ^turn (`_turn_sums`);
+    inside a turn V_next is v[p + 1]. A^turn and the traces' per-turn sums come from (B, K)
+    numbers in closed form (`_turn_gae_rows`, step 5), where the separate functions run a
+    scan and a second per-turn sum. Masks enter arithmetic as 0/1 floats
     (a bool → float cast is slow on the CPU, a byte → float one is not), values off the turns
     (which may be any junk) only through `torch.where`.
     """
@@ -675,30 +695,22 @@ def _mpo_rows(rewards, values, turn_ids, lam, lam_intra, beta, K, span, read_spa
     has_turn = length > 0
     if read_span:                                  # the longest turn: ⌈log2⌉ of it scan steps
         span = int(length.max()) if K else 1
-    # 2. (M1) δ = r + V_next − V, with v = V masked to 0 off the turns. v[p + 1] − v[p] is δ − r
-    #    inside a turn and 0 between turns, except just before a turn's first token: write 0
-    #    there, then V_{t+1,1} − v[p] on each turn's last token (V_{t+1,1} = 0 after the last
-    #    turn). A turn the row lacks (start = end = T) writes 0 at T − 1, which is off the turns
-    #    or a last token written again next, and at the row's last action token that token's
-    #    own value again; a row without turns writes 0 at T − 1.
+    # 2. (M1) δ = r + V_next − V, with v = V masked to 0 off the turns: V_next is v[p + 1] where
+    #    p + 1 is in p's turn (`inside`), else 0, plus V_{t+1,1} added on each turn's last token
+    #    (0 after the last turn, and for a turn the row lacks, whose index T − 1 is harmless).
     v = torch.where(act, values.to(dtype), zero, out=returns)                 # (B, T) V, 0 off turns
-    v_start = torch.where(has_turn, v.gather(1, start.clamp(max=T - 1)), zero)   # (B, K) V_{t,1}
-    v_next_start = F.pad(v_start[:, 1:], (0, 1))                               # (B, K) V_{t+1,1}
-    delta = torch.empty(B, T, dtype=dtype, device=dev)
-    torch.sub(v[:, 1:], v[:, :-1], out=delta[:, :-1])                          # (B, T) v[p + 1] − v[p]
-    delta[:, -1] = -v[:, -1]                                                   # nothing after T − 1
-    if K:
-        before = torch.where(start > 0, start - 1, T - 1)                      # (B, K)
-        delta.scatter_(1, before, zero.expand(B, K))
-        row_last = end.gather(1, (has_turn.sum(1, keepdim=True) - 1).clamp(min=0)) - 1   # (B, 1)
-        last = torch.where(has_turn, end - 1, row_last).clamp(0, T - 1)        # (B, K)
-        delta.scatter_(1, last, v_next_start - v.gather(1, last))
-    delta.add_(rewards)                                                        # (B, T), 0 off turns
+    start_at = start.clamp(max=T - 1)                                          # (B, K) in range
+    v_start = torch.where(has_turn, v.gather(1, start_at), zero)              # (B, K) V_{t,1}
+    inside_f = inside.view(torch.uint8).to(dtype)                              # (B, T) 1 inside, else 0
+    delta = torch.sub(rewards, v)                                              # (B, T) r − V
+    delta[:, :-1].addcmul_(inside_f[:, :-1], v[:, 1:])                         # + V_{t,i+1} inside
+    last = (end - 1).clamp(0, T - 1)                                           # (B, K) a turn's last
+    delta.scatter_add_(1, last, F.pad(v_start[:, 1:], (0, 1)))                 # + V_{t+1,1}; 0 off turns
     # 3. (M2) δ^turn_t = Σ_i δ_{t,i} and (M3) A^turn, on (B, K)
     delta_turn = _turn_sums(delta, bounds)                                    # (B, K)
-    adv_turn = _reverse_scan(delta_turn, has_turn.to(dtype).mul_(lam), scratch=True)   # (B, K)
+    adv_turn = _turn_gae_rows(delta_turn, has_turn, lam)                       # (B, K)
     # 4. (M4) intra-turn traces: the scan with decay λ_intra inside a turn, 0 at its end
-    decay = inside.view(torch.uint8).to(dtype).mul_(lam_intra)                 # (B, T)
+    decay = inside_f.mul_(lam_intra)                                           # (B, T)
     if critic_target == "mae" or not K:
         adv_intra = _reverse_scan(delta, decay, scratch=True, span=span)       # (B, T)
     else:      # `multiscale_lambda_returns`: G − V is the same trace of the residuals with
@@ -708,15 +720,24 @@ def _mpo_rows(rewards, values, turn_ids, lam, lam_intra, beta, K, span, read_spa
         both[1].scatter_add_(1, last, F.pad(adv_turn[:, 1:], (0, 1)).mul_(lam))  # 0 for no turn
         adv_intra, g_minus_v = _reverse_scan(both, decay, scratch=True, span=span)  # (B, T) each
     # 5. Eq. (20): A^MAE = (A^turn_t − β mean_i A^intra_{t,i}) + β A^intra, one gather; the
-    #    spare column 0 (turn id −1, shifted by one) gives the non-turn positions their 0
-    mean_intra = _turn_sums(adv_intra, bounds) / length.clamp(min=1)       # (B, K)
+    #    spare column 0 (turn id −1, shifted by one) gives the non-turn positions their 0.
+    #    Σ_i A^intra_{t,i} = Σ_j δ_{t,j} (1 + λ_intra + … + λ_intra^(j−1)) (i = 1..L_t), a geometric
+    #    series: (δ^turn_t − λ_intra A^intra_{t,1}) / (1 − λ_intra), from (B, K) numbers. Its
+    #    rounding grows like 1 / (1 − λ_intra) (that of the direct sum like L_t): near 1 the
+    #    traces are summed instead.
+    if lam_intra <= CLOSED_FORM_LAM_INTRA:
+        a_first = torch.where(has_turn, adv_intra.gather(1, start_at), zero)    # (B, K) A^intra_{t,1}
+        sum_intra = (delta_turn - lam_intra * a_first) / (1 - lam_intra)      # (B, K)
+    else:
+        sum_intra = _turn_sums(adv_intra, bounds)                              # (B, K)
+    mean_intra = sum_intra / length.clamp(min=1)                               # (B, K)
     base = F.pad(adv_turn - beta * mean_intra, (1, 0))                         # (B, 1 + K)
     torch.gather(base, 1, shifted, out=adv).add_(adv_intra, alpha=beta)  # (B, T), 0 off turns
     if critic_target == "mae":
         returns.add_(adv)                                                      # V + A^MAE
     elif K:
         returns.add_(g_minus_v)                                                # G
-    return act, adv.sum(), span
+    return act, adv.sum(), length.sum(), span
 
 
 def _refuse_max_turn_len(max_turn_len, turn_ids, K):
@@ -797,11 +818,11 @@ def mpo_advantages(rewards: torch.Tensor, values: torch.Tensor, turn_ids: torch.
     for rs in blocks:
         ids = turn_ids[rs]
         k = K if K is not None else (max(int(ids.max()), -1) + 1 if on_cpu else T)
-        act, total_b, span = _mpo_rows(rewards[rs], values[rs], ids, lam, lam_intra, beta, k,
+        act, total_b, n_b, span = _mpo_rows(rewards[rs], values[rs], ids, lam, lam_intra, beta, k,
                                        max_turn_len, read_span, critic_target, adv[rs],
                                        returns[rs])
         masks.append(act)
-        n += act.sum()
+        n += n_b
         total += total_b
         longest = max(longest, span) if read_span else longest
     if validate and max_turn_len is not None and max_turn_len < longest:

@@ -235,3 +235,70 @@ def test_turn_layout_check_is_exact_on_both_sides_of_its_byte_path(gap):
     rows = torch.tensor([_row_of_runs(list(range(256)), gap), restarts])
     with cpu_block(rows.shape[1]), pytest.raises(ValueError, match=r"row 1 "):
         mpo._check_turn_ids(rows)
+
+
+@contextlib.contextmanager
+def direct_paths():
+    """The fused body's two shortcuts switched off: per-turn sums of the traces summed directly
+    (not in closed form) and A^turn by the scan (not the (K, K) product)."""
+    old = mpo.CLOSED_FORM_LAM_INTRA, mpo.TURN_MATMUL_MAX
+    mpo.CLOSED_FORM_LAM_INTRA, mpo.TURN_MATMUL_MAX = -1.0, 0
+    try:
+        yield
+    finally:
+        mpo.CLOSED_FORM_LAM_INTRA, mpo.TURN_MATMUL_MAX = old
+
+
+@given(adjacent_layouts(), st.integers(0, 2**31 - 1), lams,
+       st.sampled_from([0.0, 0.3, 0.8, 0.95, 0.99]), betas, st.booleans(),
+       st.sampled_from(["mae", "lambda_return"]))
+def test_closed_form_trace_sums_and_turn_product_match_the_direct_paths(layout, seed, lam,
+                                                                        lam_intra, beta, whiten,
+                                                                        target):
+    """Σ_i A^intra_{t,i} = (δ^turn_t − λ_intra A^intra_{t,1}) / (1 − λ_intra) and A^turn as
+    δ^turn W give the numbers of the direct sum and the scan (float64, 1e-12), on layouts with
+    adjacent turns, rows without turns and turns of one token."""
+    b = make_batch(layout, seed, reward_kind="dense")
+    fast = mpo.mpo_advantages(b.rewards, b.values, b.turn_ids, lam, lam_intra, beta, whiten,
+                              critic_target=target)
+    with direct_paths():
+        slow = mpo.mpo_advantages(b.rewards, b.values, b.turn_ids, lam, lam_intra, beta, whiten,
+                                  critic_target=target)
+    for x, y in zip(fast, slow):
+        close(x, y, atol=1e-12)
+
+
+def _long_turn_batch(B=8, T=4096, seed=3):
+    """Turns of 20-400 tokens with 30-300 observation tokens between them, dense rewards."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.full((B, T), -1, dtype=torch.long)
+    for r in range(B):
+        p, k = int(torch.randint(0, 200, (1,), generator=g)), 0
+        while True:
+            L = int(torch.randint(20, 400, (1,), generator=g))
+            if p + L > T:
+                break
+            ids[r, p:p + L] = k
+            k, p = k + 1, p + L + int(torch.randint(30, 300, (1,), generator=g))
+    act = ids >= 0
+    values = torch.randn(B, T, generator=g, dtype=torch.float64) * act
+    rewards = mpo.outcome_rewards((torch.rand(B, generator=g) > 0.5).double(), ids)
+    return ids, values, rewards + 0.1 * torch.randn(B, T, generator=g, dtype=torch.float64) * act
+
+
+@pytest.mark.parametrize("lam_intra", [0.5, 0.95, 0.99])
+def test_closed_form_trace_sums_are_as_accurate_in_float32_as_the_direct_sum(lam_intra):
+    """The closed form's rounding grows like 1 / (1 − λ_intra): up to the 0.99 where it stops,
+    on 400-token turns, its float32 error against float64 stays within 2x of the direct sum's
+    (measured over seeds 0-5: 0.98-1.03x at 0.5, 1.00-1.06x at 0.95, 0.98-1.77x at 0.99; this
+    is seed 3, the 1.77x) and below 1e-6 of the advantages' scale."""
+    ids, v, r = _long_turn_batch()
+    exact, _ = mpo.mpo_advantages(r, v, ids, lam_intra=lam_intra, whiten=False)
+    closed, _ = mpo.mpo_advantages(r.float(), v.float(), ids, lam_intra=lam_intra, whiten=False)
+    with direct_paths():
+        direct, _ = mpo.mpo_advantages(r.float(), v.float(), ids, lam_intra=lam_intra, whiten=False)
+    err_closed = float((closed.double() - exact).abs().max())
+    err_direct = float((direct.double() - exact).abs().max())
+    assert err_direct > 0                                    # float32 rounding is there to compare
+    assert err_closed <= 2.0 * err_direct, (err_closed, err_direct)
+    assert err_closed <= 1e-6 * float(exact.abs().max()), (err_closed, float(exact.abs().max()))
