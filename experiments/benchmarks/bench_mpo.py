@@ -6,7 +6,8 @@
 
 Prints median wall times and the ratios issue 13 asks for:
   * memory-bound time: the bytes a call must move at least (its inputs read once, its outputs
-    written once) / the bandwidth of a large tensor copy measured in the same run; and
+    written once) / the bandwidth of a 256 MiB tensor copy timed in the same interleaved
+    rounds as the contenders (so the GB/s column is per shape); and
     mpo_advantages' fast path (validate=False, num_turns=K) as a multiple of it (target <= 15x);
   * the default call (validation on) / the fast path (target <= 1.5x);
   * a per-token reverse-loop GAE (verl-style, observation tokens skipped) / the fast path
@@ -131,12 +132,14 @@ def page_faults(fn):
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
 
 
-def copy_bandwidth(device, mib=256, repeats=5):
-    """Bytes per second of dst.copy_(src) for a large float32 tensor (read + write counted)."""
+COPY_MIB = 256                         # the yardstick: dst.copy_(src) of this many MiB of float32
+
+
+def copy_timer(device, mib=COPY_MIB):
+    """A function copying a large float32 tensor, and the bytes it moves (read + write)."""
     src = torch.ones(mib * 2**20 // 4, device=device)
     dst = torch.empty_like(src)
-    t = compare({"copy": lambda: dst.copy_(src)}, device, repeats)["copy"]
-    return 2 * src.numel() * 4 / t
+    return (lambda: dst.copy_(src)), 2 * src.numel() * 4
 
 
 # Bytes each call must move at least, per (B, T) position: mpo_advantages reads rewards and values
@@ -155,7 +158,11 @@ def bench_advantages(B, T, device, repeats):
     ref, _ = loop_gae(rewards, values, act)
     ours, _ = mpo.token_gae(rewards, values, act, whiten=False)
     assert torch.allclose(ref, ours, atol=1e-3), "loop GAE and mpo.token_gae disagree"
+    copy, copy_bytes = copy_timer(device)
     t = compare({
+        # the yardstick, timed in the same interleaved rounds as the contenders, so a busy
+        # neighbour slows both (bandwidth = copy_bytes / its median time)
+        "copy": copy,
         "loop_gae": lambda: loop_gae(rewards, values, act),
         "mpo_advantages": lambda: mpo.mpo_advantages(rewards, values, turn_ids, num_turns=K, validate=False),
         "mpo_advantages+validate": lambda: mpo.mpo_advantages(rewards, values, turn_ids),
@@ -173,6 +180,7 @@ def bench_advantages(B, T, device, repeats):
             "then": lambda: THEN.mpo_advantages(rewards, values, turn_ids, num_turns=K, validate=False),
             "then+validate": lambda: THEN.mpo_advantages(rewards, values, turn_ids)}),
     }, device, repeats)
+    t["bandwidth"] = copy_bytes / t.pop("copy")
     t["faults"] = page_faults(lambda: mpo.mpo_advantages(rewards, values, turn_ids, num_turns=K,
                                                          validate=False))
     if THEN is not None:
@@ -229,9 +237,9 @@ def main():
           f"{'loop':>8} {'tok_gae':>8} | {'fast/mem':>8} {'dflt/fast':>9} {'loop/fast':>9} | "
           f"{'loss mem':>8} {'token':>8} {'turn':>8} {'seq':>8} {'turn/tok':>8} {'tok/mem':>7} | {'faults':>6}")
     for device in devices:
-        bandwidth = copy_bandwidth(device)
         for B, T in shapes:
             a = bench_advantages(B, T, device, args.repeats)
+            bandwidth = a["bandwidth"]                         # measured beside the fast path
             l = bench_loss(B, T, device, 3 * args.repeats)     # cheap, and noisier: more repeats
             mem, mem_loss = B * T * BYTES_ADV / bandwidth, B * T * BYTES_LOSS / bandwidth
             fast = a["mpo_advantages"]
