@@ -685,9 +685,11 @@ def _mpo_rows(rewards, values, turn_ids, lam, lam_intra, beta, K, span, read_spa
     #    Counted in floating point (a float cumsum runs on both threads, an int one does not),
     #    exact while below 2^24 (float32), far above any T in float64.
     kdtype = torch.float32 if T < 2**23 else torch.float64
-    first = act.clone()
-    first[:, 1:] &= ~inside[:, :-1]                                            # (B, T) a turn's first
-    key = torch.cumsum(first.view(torch.uint8), dim=1, dtype=kdtype).mul_(2).sub_(act.view(torch.uint8))
+    act_u8 = act.view(torch.uint8)
+    twice_first = act_u8.clone()                                               # (B, T) 2 at a turn's
+    twice_first[:, 1:] -= inside.view(torch.uint8)[:, :-1]                     # first token, else 0
+    twice_first.mul_(2)
+    key = torch.cumsum(twice_first, dim=1, dtype=kdtype).sub_(act_u8)
     query = torch.arange(1, 2 * K + 1, dtype=kdtype, device=dev).expand(B, 2 * K)
     bounds = torch.searchsorted(key, query.contiguous())                      # (B, 2K)
     start, end = bounds[:, 0::2], bounds[:, 1::2]                              # (B, K)
@@ -737,7 +739,7 @@ def _mpo_rows(rewards, values, turn_ids, lam, lam_intra, beta, K, span, read_spa
         returns.add_(adv)                                                      # V + A^MAE
     elif K:
         returns.add_(g_minus_v)                                                # G
-    return act, adv.sum(), length.sum(), span
+    return act, (length * adv_turn).sum(), length.sum(), span               # Σ_t L_t A^turn_t = Σ adv
 
 
 def _refuse_max_turn_len(max_turn_len, turn_ids, K):
@@ -832,7 +834,7 @@ def mpo_advantages(rewards: torch.Tensor, values: torch.Tensor, turn_ids: torch.
         squares = torch.zeros((), dtype=dtype, device=values.device)
         for rs, act in zip(blocks, masks):
             a = adv[rs]
-            a.addcmul_(act.view(torch.uint8).to(dtype), mean, value=-1)       # centred, still 0 off
+            a.addcmul_(act.view(torch.uint8), mean, value=-1)                 # centred, still 0 off
             squares += torch.linalg.vector_norm(a).square()
         adv.mul_(torch.rsqrt(squares / (n - 1).clamp(min=1) + 1e-8))
     return adv, returns
