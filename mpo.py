@@ -739,7 +739,7 @@ def _mpo_rows(rewards, values, turn_ids, lam, lam_intra, beta, K, span, read_spa
         returns.add_(adv)                                                      # V + A^MAE
     elif K:
         returns.add_(g_minus_v)                                                # G
-    return act, (length * adv_turn).sum(), length.sum(), span               # Σ_t L_t A^turn_t = Σ adv
+    return act, adv.sum(), length.sum(), span
 
 
 def _refuse_max_turn_len(max_turn_len, turn_ids, K):
