@@ -587,7 +587,6 @@ def multiscale_lambda_returns(values: torch.Tensor, adv_turn: torch.Tensor, adv_
 
 
 CRITIC_TARGETS = ("mae", "lambda_return")
-TURN_MATMUL_MAX = 256             # `_mpo_rows` forms A^turn as a (K, K) product up to this many turns
 CLOSED_FORM_LAM_INTRA = 0.99       # `_mpo_rows` sums a turn's traces in closed form up to this λ_intra
 
 
@@ -632,22 +631,6 @@ def _turn_sums(x: torch.Tensor, bounds: torch.Tensor, chunk: int = 64) -> torch.
     return (upto[:, 1::2] - upto[:, 0::2]).to(x.dtype)                     # (B, K)
 
 
-def _turn_gae_rows(delta_turn: torch.Tensor, has_turn: torch.Tensor, lam: float) -> torch.Tensor:
-    """`turn_gae` for `_mpo_rows`, where a row's turns are its first columns and δ^turn is 0
-    past them: A^turn_t = Σ_{j>=t} λ^(j−t) δ^turn_j is then one product with the (K, K) matrix
-    W[j, t] = λ^(j−t) (j >= t), in float64 (so TF32 never touches it), for K up to
-    TURN_MATMUL_MAX turns (the scan takes ⌈log2 K⌉ steps of small operations, ~10x the time).
-    """
-    K = delta_turn.shape[1]
-    if K > TURN_MATMUL_MAX:
-        return _reverse_scan(delta_turn, has_turn.to(delta_turn.dtype).mul_(lam), scratch=False)
-    acc = torch.float64 if delta_turn.device.type != "mps" else delta_turn.dtype
-    gap = torch.arange(K, device=delta_turn.device)
-    gap = gap[:, None] - gap[None, :]                                          # (K, K) j − t
-    W = torch.where(gap >= 0, torch.tensor(lam, dtype=acc, device=delta_turn.device).pow(gap), 0.0)
-    return (delta_turn.to(acc) @ W).to(delta_turn.dtype)                      # (B, K)
-
-
 def _mpo_rows(rewards, values, turn_ids, lam, lam_intra, beta, K, span, read_span, critic_target,
               adv, returns):
     """`mpo_advantages` on a block of rows: (M1)–(M4) and Eq. (20) fused, written into `adv`
@@ -659,9 +642,8 @@ def _mpo_rows(rewards, values, turn_ids, lam, lam_intra, beta, K, span, read_spa
     and written as few times as possible: turns are contiguous and in order, so one cumsum and
     a binary search give every turn's first and past-the-last position (B, K), from which come
     L_t, the turn-start values V_{t,1}, V_next at a turn's last token and δ^turn (`_turn_sums`);
-    inside a turn V_next is v[p + 1]. A^turn and the traces' per-turn sums come from (B, K)
-    numbers in closed form (`_turn_gae_rows`, step 5), where the separate functions run a
-    scan and a second per-turn sum. Masks enter arithmetic as 0/1 floats
+    inside a turn V_next is v[p + 1]. The traces' per-turn sums come from (B, K) numbers in
+    closed form (step 5), where `mae_projection` sums them. Masks enter arithmetic as 0/1 floats
     (a bool → float cast is slow on the CPU, a byte → float one is not), values off the turns
     (which may be any junk) only through `torch.where`.
     """
@@ -710,7 +692,7 @@ def _mpo_rows(rewards, values, turn_ids, lam, lam_intra, beta, K, span, read_spa
     delta.scatter_add_(1, last, F.pad(v_start[:, 1:], (0, 1)))                 # + V_{t+1,1}; 0 off turns
     # 3. (M2) δ^turn_t = Σ_i δ_{t,i} and (M3) A^turn, on (B, K)
     delta_turn = _turn_sums(delta, bounds)                                    # (B, K)
-    adv_turn = _turn_gae_rows(delta_turn, has_turn, lam)                       # (B, K)
+    adv_turn = _reverse_scan(delta_turn, has_turn.to(dtype).mul_(lam), scratch=False)  # (B, K)
     # 4. (M4) intra-turn traces: the scan with decay λ_intra inside a turn, 0 at its end
     decay = inside_f.mul_(lam_intra)                                           # (B, T)
     if critic_target == "mae" or not K:
@@ -725,8 +707,8 @@ def _mpo_rows(rewards, values, turn_ids, lam, lam_intra, beta, K, span, read_spa
     #    spare column 0 (turn id −1, shifted by one) gives the non-turn positions their 0.
     #    Σ_i A^intra_{t,i} = Σ_j δ_{t,j} (1 + λ_intra + … + λ_intra^(j−1)) (i = 1..L_t), a geometric
     #    series: (δ^turn_t − λ_intra A^intra_{t,1}) / (1 − λ_intra), from (B, K) numbers. Its
-    #    rounding grows like 1 / (1 − λ_intra) (that of the direct sum like L_t): near 1 the
-    #    traces are summed instead.
+    #    rounding grows like 1 / (1 − λ_intra) (that of the direct sum like L_t): above 0.99
+    #    the traces are summed instead (at 0.99, float32: ≤ 1.8x the direct sum's error).
     if lam_intra <= CLOSED_FORM_LAM_INTRA:
         a_first = torch.where(has_turn, adv_intra.gather(1, start_at), zero)    # (B, K) A^intra_{t,1}
         sum_intra = (delta_turn - lam_intra * a_first) / (1 - lam_intra)      # (B, K)

@@ -239,24 +239,24 @@ def test_turn_layout_check_is_exact_on_both_sides_of_its_byte_path(gap):
 
 @contextlib.contextmanager
 def direct_paths():
-    """The fused body's two shortcuts switched off: per-turn sums of the traces summed directly
-    (not in closed form) and A^turn by the scan (not the (K, K) product)."""
-    old = mpo.CLOSED_FORM_LAM_INTRA, mpo.TURN_MATMUL_MAX
-    mpo.CLOSED_FORM_LAM_INTRA, mpo.TURN_MATMUL_MAX = -1.0, 0
+    """The fused body's shortcut switched off: per-turn sums of the traces summed directly,
+    not in closed form."""
+    old = mpo.CLOSED_FORM_LAM_INTRA
+    mpo.CLOSED_FORM_LAM_INTRA = -1.0
     try:
         yield
     finally:
-        mpo.CLOSED_FORM_LAM_INTRA, mpo.TURN_MATMUL_MAX = old
+        mpo.CLOSED_FORM_LAM_INTRA = old
 
 
 @given(adjacent_layouts(), st.integers(0, 2**31 - 1), lams,
        st.sampled_from([0.0, 0.3, 0.8, 0.95, 0.99]), betas,
        st.sampled_from(["mae", "lambda_return"]))
-def test_closed_form_trace_sums_and_turn_product_match_the_direct_paths(layout, seed, lam,
+def test_closed_form_trace_sums_match_the_direct_sum(layout, seed, lam,
                                                                         lam_intra, beta, target):
-    """Σ_i A^intra_{t,i} = (δ^turn_t − λ_intra A^intra_{t,1}) / (1 − λ_intra) and A^turn as
-    δ^turn W give the numbers of the direct sum and the scan (float64, 1e-12), on layouts with
-    adjacent turns, rows without turns and turns of one token. Unwhitened: whitening is the same
+    """Σ_i A^intra_{t,i} = (δ^turn_t − λ_intra A^intra_{t,1}) / (1 − λ_intra) gives the numbers
+    of the direct sum (float64, 1e-12), on layouts with adjacent turns, rows without turns and
+    turns of one token. Unwhitened: whitening is the same
     code on both paths, and with a near-zero variance it would magnify 1e-16 differences."""
     b = make_batch(layout, seed, reward_kind="dense")
     fast = mpo.mpo_advantages(b.rewards, b.values, b.turn_ids, lam, lam_intra, beta, whiten=False,
