@@ -651,16 +651,19 @@ def _mpo_rows(rewards, values, turn_ids, lam, lam_intra, beta, K, span, read_spa
     dtype, dev = adv.dtype, adv.device
     zero = torch.zeros((), dtype=dtype, device=dev)
     rewards = rewards.to(dtype)                                                # no copy if float32/64
-    shifted = turn_ids + 1                          # (B, T) 0 off turns: gather index, below
+    shifted = torch.empty((B, T), dtype=turn_ids.dtype, device=dev)           # contiguous: flat views
+    torch.add(turn_ids, 1, out=shifted)             # (B, T) 0 off turns: gather index, below
     act = shifted.bool()                            # (B, T) turn_ids >= 0, as a cheap cast
     # inside: p + 1 is in p's turn. Compared on the low byte of shifted (byte compares are ~10x
     # faster than int64 ones): it wraps only for turn 255 + 256 j against 0 (off the turns),
     # which the act test excludes; two adjacent turns always differ in it (ids k and k + 1).
     low = shifted.to(torch.uint8)                                              # (B, T)
     inside = torch.zeros_like(act)
-    torch.eq(low[:, 1:], low[:, :-1], out=inside[:, :-1])
-    inside[:, :-1] &= act[:, :-1]
-    inside[:, :-1] &= act[:, 1:]
+    flat_low, flat_act, flat_in = low.view(-1), act.view(-1), inside.view(-1)   # (B T,) views
+    torch.eq(flat_low[1:], flat_low[:-1], out=flat_in[:-1])
+    flat_in[:-1] &= flat_act[:-1]
+    flat_in[:-1] &= flat_act[1:]
+    inside[:, -1] = False                          # the flat compare paired it with the next row
     # 1. Turn bounds. key = 2 (turns begun so far) − act is 2k + 1 on turn k's tokens and 2k + 2
     #    between turn k and turn k + 1: non-decreasing, so a binary search for 2k + 1 finds turn k's
     #    first token and one for 2k + 2 the position after its last (T for a turn the row lacks).
@@ -686,23 +689,27 @@ def _mpo_rows(rewards, values, turn_ids, lam, lam_intra, beta, K, span, read_spa
     start_at = start.clamp(max=T - 1)                                          # (B, K) in range
     v_start = torch.where(has_turn, v.gather(1, start_at), zero)              # (B, K) V_{t,1}
     inside_f = inside.view(torch.uint8).to(dtype)                              # (B, T) 1 inside, else 0
-    delta = torch.sub(rewards, v)                                              # (B, T) r − V
-    delta[:, :-1].addcmul_(inside_f[:, :-1], v[:, 1:])                         # + V_{t,i+1} inside
+    delta = torch.sub(rewards, v, out=torch.empty_like(v))                     # (B, T) r − V
+    delta.view(-1)[:-1].addcmul_(inside_f.view(-1)[:-1], v.view(-1)[1:])       # + V_{t,i+1} inside
     last = (end - 1).clamp(0, T - 1)                                           # (B, K) a turn's last
     delta.scatter_add_(1, last, F.pad(v_start[:, 1:], (0, 1)))                 # + V_{t+1,1}; 0 off turns
     # 3. (M2) δ^turn_t = Σ_i δ_{t,i} and (M3) A^turn, on (B, K)
     delta_turn = _turn_sums(delta, bounds)                                    # (B, K)
     adv_turn = _reverse_scan(delta_turn, has_turn.to(dtype).mul_(lam), scratch=False)  # (B, K)
-    # 4. (M4) intra-turn traces: the scan with decay λ_intra inside a turn, 0 at its end
+    # 4. (M4) intra-turn traces: the scan with decay λ_intra inside a turn, 0 at its end. The
+    #    decay is 0 at every row's last position, so the block scans as one flat row (B T,):
+    #    shifted views of a flat tensor are faster than of rows, and only one tail to copy.
     decay = inside_f.mul_(lam_intra)                                           # (B, T)
     if critic_target == "mae" or not K:
-        adv_intra = _reverse_scan(delta, decay, scratch=True, span=span)       # (B, T)
+        adv_intra = _reverse_scan(delta.view(-1), decay.view(-1), scratch=True,
+                                  span=span).view(B, T)                        # (B, T)
     else:      # `multiscale_lambda_returns`: G − V is the same trace of the residuals with
         #        λ A^turn_{t+1} added on each turn's last token; both in one scan (shared decays)
         both = torch.empty(2, B, T, dtype=dtype, device=dev)
         both[0], both[1] = delta, delta
         both[1].scatter_add_(1, last, F.pad(adv_turn[:, 1:], (0, 1)).mul_(lam))  # 0 for no turn
-        adv_intra, g_minus_v = _reverse_scan(both, decay, scratch=True, span=span)  # (B, T) each
+        adv_intra, g_minus_v = _reverse_scan(both.view(2, -1), decay.view(-1), scratch=True,
+                                             span=span).view(2, B, T)          # (B, T) each
     # 5. Eq. (20): A^MAE = (A^turn_t − β mean_i A^intra_{t,i}) + β A^intra, one gather; the
     #    spare column 0 (turn id −1, shifted by one) gives the non-turn positions their 0.
     #    Σ_i A^intra_{t,i} = Σ_j δ_{t,j} (1 + λ_intra + … + λ_intra^(j−1)) (i = 1..L_t), a geometric

@@ -302,3 +302,25 @@ def test_closed_form_trace_sums_are_as_accurate_in_float32_as_the_direct_sum(lam
     assert err_direct > 0                                    # float32 rounding is there to compare
     assert err_closed <= 2.0 * err_direct, (err_closed, err_direct)
     assert err_closed <= 1e-6 * float(exact.abs().max()), (err_closed, float(exact.abs().max()))
+
+
+@pytest.mark.parametrize("rows_per_block", [1, 3, 100])
+@pytest.mark.parametrize("target", ["mae", "lambda_return"])
+def test_non_contiguous_inputs_give_the_contiguous_numbers(rows_per_block, target):
+    """The fused body scans each block as one flat row and reads flat views of its own buffers;
+    inputs that are transposed or strided views (any layout a caller may slice out of a bigger
+    tensor) must give exactly the numbers of their contiguous copies, validated or not."""
+    ids, v, r = _long_turn_batch(B=6, T=1024, seed=5)
+    # the same numbers behind other strides: transposed (T, B) storage, and every other column
+    # of a twice-as-wide tensor
+    views = {"transposed": lambda x: x.t().contiguous().t(),
+             "strided": lambda x: torch.stack([x, torch.full_like(x, 7)], 2).view(6, -1)[:, ::2]}
+    with cpu_block(rows_per_block * ids.shape[1]):
+        expect = mpo.mpo_advantages(r, v, ids, critic_target=target)
+        for name, view in views.items():
+            args = [view(x) for x in (r, v, ids)]
+            assert not any(a.is_contiguous() for a in args), name
+            for validate in (True, False):
+                got = mpo.mpo_advantages(*args, critic_target=target, validate=validate)
+                for g, e in zip(got, expect):
+                    assert torch.equal(g, e), (name, validate)
