@@ -284,6 +284,36 @@ def _reverse_scan(b: torch.Tensor, a: torch.Tensor, scratch: bool, span: int | N
     return x_in
 
 
+def _padded_buffer(shape, n: int, pad: int, dtype, device) -> torch.Tensor:
+    """An empty (*shape, n + pad) buffer whose last `pad` entries are 0, for `_scan_padded`."""
+    buf = torch.empty(*shape, n + pad, dtype=dtype, device=device)
+    buf[..., n:] = 0
+    return buf
+
+
+def _scan_padded(x_in: torch.Tensor, a_in: torch.Tensor, n: int, span: int) -> torch.Tensor:
+    """`_reverse_scan` (scratch, bound `span` <= n) of the first n entries of buffers made by
+    `_padded_buffer` with pad >= span: x_in (..., n + pad), a_in (n + pad) or x_in's shape.
+
+    Past n both are 0, so each doubling step is one full-length multiply-add (x_i + a_i · 0 at
+    the end: the sums that are complete stay as they are) and one multiply, with no copy of the
+    completed tail and no new slices of the buffers' first n entries. Overwrites both; returns
+    a view (..., n) of one of them. The fused body's scans run here (`_mpo_rows`).
+    """
+    x_out = _padded_buffer(x_in.shape[:-1], n, x_in.shape[-1] - n, x_in.dtype, x_in.device)
+    a_out = _padded_buffer(a_in.shape[:-1], n, a_in.shape[-1] - n, a_in.dtype, a_in.device)
+    heads = {id(t): t[..., :n] for t in (x_in, x_out, a_in, a_out)}           # (..., n) views
+    d = 1
+    while d < span:
+        torch.addcmul(heads[id(x_in)], heads[id(a_in)], x_in[..., d:n + d], out=heads[id(x_out)])
+        if 2 * d < span:                                # a_i = a_i...a_{i+2d-1} (0 past the end)
+            torch.mul(heads[id(a_in)], a_in[..., d:n + d], out=heads[id(a_out)])
+            a_in, a_out = a_out, a_in
+        x_in, x_out = x_out, x_in
+        d *= 2
+    return heads[id(x_in)]
+
+
 def reverse_scan(b: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
     """Solve x_i = b_i + a_i * x_{i+1} (x past the end = 0) along the last dimension.
 
@@ -682,14 +712,18 @@ def _mpo_rows(rewards, values, turn_ids, lam, lam_intra, beta, K, span, read_spa
     has_turn = length > 0
     if read_span:                                  # the longest turn: ⌈log2⌉ of it scan steps
         span = int(length.max()) if K else 1
+    span = max(1, min(T if span is None else int(span), T))                   # no turn is longer
+    N = B * T                                      # the scans run on the block as one flat row
     # 2. (M1) δ = r + V_next − V, with v = V masked to 0 off the turns: V_next is v[p + 1] where
     #    p + 1 is in p's turn (`inside`), else 0, plus V_{t+1,1} added on each turn's last token
     #    (0 after the last turn, and for a turn the row lacks, whose index T − 1 is harmless).
     v = torch.where(act, values.to(dtype), zero, out=returns)                 # (B, T) V, 0 off turns
     start_at = start.clamp(max=T - 1)                                          # (B, K) in range
     v_start = torch.where(has_turn, v.gather(1, start_at), zero)              # (B, K) V_{t,1}
-    inside_f = inside.view(torch.uint8).to(dtype)                              # (B, T) 1 inside, else 0
-    delta = torch.sub(rewards, v, out=torch.empty_like(v))                     # (B, T) r − V
+    fbuf = _padded_buffer((), N, span, dtype, dev)                             # (N + span,)
+    inside_f = fbuf[:N].view(B, T).copy_(inside.view(torch.uint8))             # (B, T) 1 inside, else 0
+    dbuf = _padded_buffer((), N, span, dtype, dev)                             # (N + span,)
+    delta = torch.sub(rewards, v, out=dbuf[:N].view(B, T))                     # (B, T) r − V
     delta.view(-1)[:-1].addcmul_(inside_f.view(-1)[:-1], v.view(-1)[1:])       # + V_{t,i+1} inside
     last = (end - 1).clamp(0, T - 1)                                           # (B, K) a turn's last
     delta.scatter_add_(1, last, F.pad(v_start[:, 1:], (0, 1)))                 # + V_{t+1,1}; 0 off turns
@@ -697,19 +731,18 @@ def _mpo_rows(rewards, values, turn_ids, lam, lam_intra, beta, K, span, read_spa
     delta_turn = _turn_sums(delta, bounds)                                    # (B, K)
     adv_turn = _reverse_scan(delta_turn, has_turn.to(dtype).mul_(lam), scratch=False)  # (B, K)
     # 4. (M4) intra-turn traces: the scan with decay λ_intra inside a turn, 0 at its end. The
-    #    decay is 0 at every row's last position, so the block scans as one flat row (B T,):
-    #    shifted views of a flat tensor are faster than of rows, and only one tail to copy.
-    decay = inside_f.mul_(lam_intra)                                           # (B, T)
+    #    decay is 0 at every row's last position, so the block scans as one flat row (N,), in
+    #    buffers with a zero tail (`_scan_padded`): shifted views of a flat tensor are faster
+    #    than of rows, and the zero tail spares a copy per step.
+    inside_f.mul_(lam_intra)                                                   # (B, T) the decay
     if critic_target == "mae" or not K:
-        adv_intra = _reverse_scan(delta.view(-1), decay.view(-1), scratch=True,
-                                  span=span).view(B, T)                        # (B, T)
+        adv_intra = _scan_padded(dbuf, fbuf, N, span).view(B, T)               # (B, T)
     else:      # `multiscale_lambda_returns`: G − V is the same trace of the residuals with
         #        λ A^turn_{t+1} added on each turn's last token; both in one scan (shared decays)
-        both = torch.empty(2, B, T, dtype=dtype, device=dev)
-        both[0], both[1] = delta, delta
-        both[1].scatter_add_(1, last, F.pad(adv_turn[:, 1:], (0, 1)).mul_(lam))  # 0 for no turn
-        adv_intra, g_minus_v = _reverse_scan(both.view(2, -1), decay.view(-1), scratch=True,
-                                             span=span).view(2, B, T)          # (B, T) each
+        both = _padded_buffer((2,), N, span, dtype, dev)                       # (2, N + span)
+        both[0, :N], both[1, :N] = dbuf[:N], dbuf[:N]
+        both[1, :N].view(B, T).scatter_add_(1, last, F.pad(adv_turn[:, 1:], (0, 1)).mul_(lam))
+        adv_intra, g_minus_v = _scan_padded(both, fbuf, N, span).view(2, B, T)  # (B, T) each
     # 5. Eq. (20): A^MAE = (A^turn_t − β mean_i A^intra_{t,i}) + β A^intra, one gather; the
     #    spare column 0 (turn id −1, shifted by one) gives the non-turn positions their 0.
     #    Σ_i A^intra_{t,i} = Σ_j δ_{t,j} (1 + λ_intra + … + λ_intra^(j−1)) (i = 1..L_t), a geometric
@@ -833,9 +866,11 @@ def mpo_advantages(rewards: torch.Tensor, values: torch.Tensor, turn_ids: torch.
 # (M6) The turn-level importance ratio with a stop-gradient, and (M7) the clipped surrogate
 # ---------------------------------------------------------------------------------------------
 
-def _turn_ratio(log_ratio: torch.Tensor, turn_ids: torch.Tensor, max_log_ratio: float):
-    """ρ̃ (B, T) from masked log-ratios, and the clamped turn log-ratio sums S_t (B, T + 1)."""
-    idx = torch.where(turn_ids >= 0, turn_ids, turn_ids.shape[1])              # -1 -> spare column
+def _turn_ratio(log_ratio: torch.Tensor, turn_ids: torch.Tensor, act: torch.Tensor,
+                max_log_ratio: float):
+    """ρ̃ (B, T) from masked log-ratios (act: turn_ids >= 0), and the clamped turn log-ratio
+    sums S_t (B, T + 1)."""
+    idx = torch.where(act, turn_ids, turn_ids.shape[1])                        # -1 -> spare column
     S = torch.zeros(log_ratio.shape[0], turn_ids.shape[1] + 1, dtype=log_ratio.dtype,
                     device=log_ratio.device).scatter_add_(1, idx, log_ratio.detach())
     S = S.clamp_(-max_log_ratio, max_log_ratio)                                # (B, K = T + 1)
@@ -875,7 +910,7 @@ def turn_ratio(logp: torch.Tensor, old_logp: torch.Tensor, turn_ids: torch.Tenso
     dtype = _compute_dtype(logp)
     zero = torch.zeros((), dtype=dtype, device=logp.device)
     log_ratio = torch.where(act, logp.to(dtype) - old_logp.to(dtype), zero)          # (B, T)
-    return _turn_ratio(log_ratio, turn_ids, max_log_ratio)[0]
+    return _turn_ratio(log_ratio, turn_ids, act, max_log_ratio)[0]
 
 
 
@@ -954,7 +989,7 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     log_ratio = torch.where(act, logp.to(dtype) - old_logp.to(dtype), zero)   # (B, T)
     S = None                                       # the turn log-ratio sums, for the stats
     if ratio_level == "turn":                                                  # MPO: ρ̃_{t,i}
-        ratio, S = _turn_ratio(log_ratio, turn_ids, max_log_ratio)
+        ratio, S = _turn_ratio(log_ratio, turn_ids, act, max_log_ratio)
     elif ratio_level == "token":                                               # ρ_{t,i}
         clamped = log_ratio.clamp(-max_log_ratio, max_log_ratio)
         ratio = torch.exp(log_ratio + (clamped - log_ratio).detach())
