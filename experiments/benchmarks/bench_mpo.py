@@ -13,7 +13,8 @@ Prints median wall times and the ratios issue 13 asks for:
   * a per-token reverse-loop GAE (verl-style, observation tokens skipped) / the fast path
     (target >= 20x at 64x4096);
   * policy_loss forward+backward, ratio_level="turn" / "token" (target <= 1.1x).
-Times are medians over repeats measured side by side (interleaved), so machine noise hits all.
+Times are medians (or, with --stat min, minima) over repeats measured side by side (interleaved),
+so machine noise hits all.
 """
 import argparse
 import importlib.util
@@ -95,6 +96,8 @@ def sync(device):
 
 
 CLOCK = time.perf_counter          # --clock cpu: time.process_time, this process's CPU time only
+STAT = statistics.median           # --stat min: the fastest repeat (what the code costs when no
+                                   # neighbour interferes; a median still includes their spells)
 
 
 def timed(fn, device):
@@ -106,7 +109,8 @@ def timed(fn, device):
 
 
 def compare(fns, device, repeats):
-    """Run the functions interleaved `repeats` times; return the median time of each.
+    """Run the functions interleaved `repeats` times; return the median (or with --stat min,
+    the fastest) time of each.
 
     The order rotates every repeat, so no contender always runs right after the same other one
     (what a call costs depends on the memory the previous call left to the allocator)."""
@@ -117,7 +121,7 @@ def compare(fns, device, repeats):
     for r in range(repeats):
         for name in names[r % len(names):] + names[:r % len(names)]:
             times[name].append(timed(fns[name], device))
-    return {name: statistics.median(ts) for name, ts in times.items()}
+    return {name: STAT(ts) for name, ts in times.items()}
 
 
 def page_faults(fn):
@@ -211,10 +215,13 @@ def main():
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                     help="cpu: this process's CPU time (time.process_time), which other jobs on a "
                          "shared machine do not inflate; use it with --threads 1 (CPU only)")
+    ap.add_argument("--stat", choices=("median", "min"), default="median",
+                    help="min: report each contender's fastest repeat instead of the median")
     ap.add_argument("--against", metavar="REV", help="also time mpo_advantages of this git revision "
                     "(fast path and default call), interleaved with today's")
     args = ap.parse_args()
-    global CLOCK, THEN
+    global CLOCK, THEN, STAT
+    STAT = min if args.stat == "min" else statistics.median
     if args.against:
         THEN = load_mpo_at(args.against)
     if args.clock == "cpu":
@@ -226,7 +233,7 @@ def main():
     shapes = [(8, 512)] if args.quick else [(64, 4096), (256, 8192), (64, 32768)]
     devices = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
     print(f"torch {torch.__version__}, {platform.processor() or platform.machine()}, "
-          f"{torch.get_num_threads()} threads, {args.clock} clock, median of {args.repeats} "
+          f"{torch.get_num_threads()} threads, {args.clock} clock, {args.stat} of {args.repeats} "
           f"interleaved repeats, float32")
     print("mem: memory-bound time; fast: mpo_advantages(validate=False, num_turns=K); fast,L: "
           "the same with max_turn_len=400; fast,T: with max_turn_len=T (a scan of log2 T steps); "
