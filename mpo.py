@@ -874,8 +874,8 @@ def _turn_ratio(log_ratio: torch.Tensor, turn_ids: torch.Tensor, act: torch.Tens
     S = torch.zeros(log_ratio.shape[0], turn_ids.shape[1] + 1, dtype=log_ratio.dtype,
                     device=log_ratio.device).scatter_add_(1, idx, log_ratio.detach())
     S = S.clamp_(-max_log_ratio, max_log_ratio)                                # (B, K = T + 1)
-    log_ratio_sg = log_ratio.detach()
-    return torch.exp(log_ratio + (torch.gather(S, 1, idx) - log_ratio_sg)), S      # (B, T), sg = .detach()
+    correction = torch.gather(S, 1, idx).sub_(log_ratio.detach())             # (B, T) sg(S_t − lr)
+    return torch.exp(log_ratio + correction), S                                # (B, T)
 
 
 def turn_ratio(logp: torch.Tensor, old_logp: torch.Tensor, turn_ids: torch.Tensor,
@@ -1014,8 +1014,8 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
         rho_turn = torch.exp(S)                    # (B, K + 1); 1 for turns a row does not have
         turn_out = (rho_turn < 1 - eps_low) | (rho_turn > 1 + eps_high)
         n_turns = (turn_ids.amax(dim=1) + 1).clamp(min=0).sum() if act.shape[1] else nact * 0
-        r_tok = ratio if ratio_level == "token" else torch.exp(log_ratio.clamp(-max_log_ratio,
-                                                                               max_log_ratio))
+        r_tok = ratio if ratio_level == "token" else log_ratio.clamp(-max_log_ratio,
+                                                                     max_log_ratio).exp_()
         ratio_act = torch.where(act, ratio, zero)
         stats = {
             "clip_frac": clipped.sum().to(dtype) / nact,
