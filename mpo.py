@@ -868,14 +868,20 @@ def mpo_advantages(rewards: torch.Tensor, values: torch.Tensor, turn_ids: torch.
 
 def _turn_ratio(log_ratio: torch.Tensor, turn_ids: torch.Tensor, act: torch.Tensor,
                 max_log_ratio: float):
-    """ρ̃ (B, T) from masked log-ratios (act: turn_ids >= 0), and the clamped turn log-ratio
-    sums S_t (B, T + 1)."""
+    """ρ̃ (B, T) from masked log-ratios (act: turn_ids >= 0), the clamped turn log-ratio sums
+    S_t and the turn ratios ρ_t = exp S_t (B, T + 1; the spare column T: 0 and 1).
+
+    ρ̃ = sg(ρ_t) · (1 + lr − sg(lr)): its value is ρ_t exactly (lr − sg(lr) is 0) and its
+    derivative in lr is ρ_t, the same as exp(lr + sg(S_t − lr)) without a (B, T) exp: the
+    turns' exp is taken once, on S.
+    """
     idx = torch.where(act, turn_ids, turn_ids.shape[1])                        # -1 -> spare column
     S = torch.zeros(log_ratio.shape[0], turn_ids.shape[1] + 1, dtype=log_ratio.dtype,
                     device=log_ratio.device).scatter_add_(1, idx, log_ratio.detach())
     S = S.clamp_(-max_log_ratio, max_log_ratio)                                # (B, K = T + 1)
-    correction = torch.gather(S, 1, idx).sub_(log_ratio.detach())             # (B, T) sg(S_t − lr)
-    return torch.exp(log_ratio + correction), S                                # (B, T)
+    rho = torch.exp(S)                                                         # (B, K) ρ_t
+    rho_tok = torch.gather(rho, 1, idx)                                        # (B, T) sg(ρ_t)
+    return torch.addcmul(rho_tok, rho_tok, log_ratio - log_ratio.detach()), S, rho   # (B, T)
 
 
 def turn_ratio(logp: torch.Tensor, old_logp: torch.Tensor, turn_ids: torch.Tensor,
@@ -888,9 +894,10 @@ def turn_ratio(logp: torch.Tensor, old_logp: torch.Tensor, turn_ids: torch.Tenso
     ρ_t A_{t,i} and the centred corrections of Eq. (20) survive. With one shared differentiable
     ρ_t they would cancel: Σ_i A^MAE_{t,i} = L_t A^turn_t (§3).
 
-    Implemented in log space, log ρ̃_{t,i} = log_ratio_{t,i} + sg(S_t − log_ratio_{t,i}) with
-    S_t = Σ_j log_ratio_{t,j}, so a long turn's product never overflows; S_t is clamped to
-    ±max_log_ratio before exp, so ρ̃ ∈ [e^−20, e^20] ≈ [2e−9, 4.9e8]. That bounds the *ratio*, not
+    Implemented in log space: S_t = Σ_j log_ratio_{t,j} is summed first, so a long turn's
+    product never overflows, and clamped to ±max_log_ratio before exp, so ρ̃ ∈ [e^−20, e^20]
+    ≈ [2e−9, 4.9e8]; then ρ̃_{t,i} = sg(e^S_t) · (1 + log_ratio_{t,i} − sg(log_ratio_{t,i})),
+    whose value is e^S_t and whose derivative in log_ratio_{t,i} is e^S_t. That bounds the *ratio*, not
     the loss: a turn of 96 tokens that each moved by 0.2 nats has ρ_t = e^19. PPO's clip
     removes such a term only when its advantage is positive; for A < 0 the unclipped branch
     −ρ_t A is kept, up to 4.9e8·|A| (and its gradient too), unless `policy_loss` gets a
@@ -987,9 +994,9 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     dtype = _compute_dtype(logp)
     zero = torch.zeros((), dtype=dtype, device=logp.device)
     log_ratio = torch.where(act, logp.to(dtype) - old_logp.to(dtype), zero)   # (B, T)
-    S = None                                       # the turn log-ratio sums, for the stats
+    rho_turn = None                                # the turn ratios e^S_t (B, T + 1), for the stats
     if ratio_level == "turn":                                                  # MPO: ρ̃_{t,i}
-        ratio, S = _turn_ratio(log_ratio, turn_ids, act, max_log_ratio)
+        ratio, S, rho_turn = _turn_ratio(log_ratio, turn_ids, act, max_log_ratio)
     elif ratio_level == "token":                                               # ρ_{t,i}
         clamped = log_ratio.clamp(-max_log_ratio, max_log_ratio)
         ratio = torch.exp(log_ratio + (clamped - log_ratio).detach())
@@ -1007,11 +1014,11 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     with torch.no_grad():
         nact = act.sum().clamp(min=1)
         clipped = act & (loss_tok != loss_unclipped)          # a clipped term: no gradient
-        if S is None:                              # token / sequence level: per-turn sums only
+        if rho_turn is None:                       # token / sequence level: per-turn sums only
             idx = torch.where(act, turn_ids, turn_ids.shape[1])
             S = torch.zeros(act.shape[0], act.shape[1] + 1, dtype=dtype, device=logp.device)
             S = S.scatter_add_(1, idx, log_ratio).clamp_(-max_log_ratio, max_log_ratio)
-        rho_turn = torch.exp(S)                    # (B, K + 1); 1 for turns a row does not have
+            rho_turn = torch.exp(S)                # (B, K + 1); 1 for turns a row does not have
         turn_out = (rho_turn < 1 - eps_low) | (rho_turn > 1 + eps_high)
         n_turns = (turn_ids.amax(dim=1) + 1).clamp(min=0).sum() if act.shape[1] else nact * 0
         r_tok = ratio if ratio_level == "token" else log_ratio.clamp(-max_log_ratio,
