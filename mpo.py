@@ -300,18 +300,21 @@ def _scan_padded(x_in: torch.Tensor, a_in: torch.Tensor, n: int, span: int) -> t
     completed tail and no new slices of the buffers' first n entries. Overwrites both; returns
     a view (..., n) of one of them. The fused body's scans run here (`_mpo_rows`).
     """
+    def pair(buf):                                      # a buffer and its first n entries
+        return buf, buf[..., :n]
     x_out = _padded_buffer(x_in.shape[:-1], n, x_in.shape[-1] - n, x_in.dtype, x_in.device)
     a_out = _padded_buffer(a_in.shape[:-1], n, a_in.shape[-1] - n, a_in.dtype, a_in.device)
-    heads = {id(t): t[..., :n] for t in (x_in, x_out, a_in, a_out)}           # (..., n) views
+    (x, x_head), (x2, x2_head) = pair(x_in), pair(x_out)
+    (a, a_head), (a2, a2_head) = pair(a_in), pair(a_out)
     d = 1
     while d < span:
-        torch.addcmul(heads[id(x_in)], heads[id(a_in)], x_in[..., d:n + d], out=heads[id(x_out)])
+        torch.addcmul(x_head, a_head, x[..., d:n + d], out=x2_head)   # x_i + a_i x_{i+d}
         if 2 * d < span:                                # a_i = a_i...a_{i+2d-1} (0 past the end)
-            torch.mul(heads[id(a_in)], a_in[..., d:n + d], out=heads[id(a_out)])
-            a_in, a_out = a_out, a_in
-        x_in, x_out = x_out, x_in
+            torch.mul(a_head, a[..., d:n + d], out=a2_head)
+            (a, a_head), (a2, a2_head) = (a2, a2_head), (a, a_head)
+        (x, x_head), (x2, x2_head) = (x2, x2_head), (x, x_head)
         d *= 2
-    return heads[id(x_in)]
+    return x_head
 
 
 def reverse_scan(b: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
@@ -897,10 +900,10 @@ def turn_ratio(logp: torch.Tensor, old_logp: torch.Tensor, turn_ids: torch.Tenso
     Implemented in log space: S_t = Σ_j log_ratio_{t,j} is summed first, so a long turn's
     product never overflows, and clamped to ±max_log_ratio before exp, so ρ̃ ∈ [e^−20, e^20]
     ≈ [2e−9, 4.9e8]; then ρ̃_{t,i} = sg(e^S_t) · (1 + log_ratio_{t,i} − sg(log_ratio_{t,i})),
-    whose value is e^S_t and whose derivative in log_ratio_{t,i} is e^S_t. That bounds the *ratio*, not
-    the loss: a turn of 96 tokens that each moved by 0.2 nats has ρ_t = e^19. PPO's clip
-    removes such a term only when its advantage is positive; for A < 0 the unclipped branch
-    −ρ_t A is kept, up to 4.9e8·|A| (and its gradient too), unless `policy_loss` gets a
+    whose value is e^S_t and whose derivative in log_ratio_{t,i} is e^S_t. That bounds the
+    *ratio*, not the loss: a turn of 96 tokens that each moved by 0.2 nats has ρ_t = e^19.
+    PPO's clip removes such a term only when its advantage is positive; for A < 0 the unclipped
+    branch −ρ_t A is kept, up to 4.9e8·|A| (and its gradient too), unless `policy_loss` gets a
     `dual_clip` (train_min.py uses 3).
 
     Args:
