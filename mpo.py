@@ -255,11 +255,9 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
 # The one loop primitive: a reverse linear recurrence solved in log2(T) vectorised steps.
 # ---------------------------------------------------------------------------------------------
 
-def _reverse_scan(b: torch.Tensor, a: torch.Tensor, scratch: bool, span: int | None = None):
+def _reverse_scan(b: torch.Tensor, a: torch.Tensor, scratch: bool):
     """reverse_scan; with scratch=True it may overwrite b and a (the caller's temporaries).
 
-    span: an upper bound on the length of the segments a cuts (runs of non-zero decays, plus
-    one): ⌈log2 span⌉ doubling steps then reach every segment's end, instead of ⌈log2 n⌉.
     b may have more leading dimensions than a (several recurrences with the same decays, e.g.
     (2, B, T) with a (B, T)): the decays' products are then formed once for all of them.
 
@@ -269,14 +267,13 @@ def _reverse_scan(b: torch.Tensor, a: torch.Tensor, scratch: bool, span: int | N
     n, d = b.shape[-1], 1
     if n <= 1:
         return b if scratch else b.clone()
-    stop = n if span is None else min(n, max(int(span), 1))
     x_in, a_in = b.contiguous(), a.contiguous()
     x_out, a_out = torch.empty_like(x_in), torch.empty_like(a_in)
-    while d < stop:
+    while d < n:
         torch.addcmul(x_in[..., :-d], a_in[..., :-d], x_in[..., d:], out=x_out[..., :-d])
         x_out[..., -d:] = x_in[..., -d:]                # complete: their sums reach the end
         reuse = scratch or d > 1                        # b and a are the caller's unless scratch
-        if 2 * d < stop:                                # a_i = a_i...a_{i+2d-1}; for i >= n - d
+        if 2 * d < n:                                   # a_i = a_i...a_{i+2d-1}; for i >= n - d
             torch.mul(a_in[..., :-d], a_in[..., d:], out=a_out[..., :-d])   # the window passes the
             a_in, a_out = a_out, a_in if reuse else torch.empty_like(a_in)  # end: never read again
         x_in, x_out = x_out, x_in if reuse else torch.empty_like(x_in)
@@ -292,8 +289,10 @@ def _padded_buffer(shape, n: int, pad: int, dtype, device) -> torch.Tensor:
 
 
 def _scan_padded(x_in: torch.Tensor, a_in: torch.Tensor, n: int, span: int) -> torch.Tensor:
-    """`_reverse_scan` (scratch, bound `span` <= n) of the first n entries of buffers made by
-    `_padded_buffer` with pad >= span: x_in (..., n + pad), a_in (n + pad) or x_in's shape.
+    """`_reverse_scan` of the first n entries of buffers made by `_padded_buffer` with
+    pad >= span: x_in (..., n + pad), a_in (n + pad) or x_in's shape. span (<= n): an upper
+    bound on the length of the segments a cuts (runs of non-zero decays, plus one):
+    ⌈log2 span⌉ doubling steps then reach every segment's end, instead of ⌈log2 n⌉.
 
     Past n both are 0, so each doubling step is one full-length multiply-add (x_i + a_i · 0 at
     the end: the sums that are complete stay as they are) and one multiply, with no copy of the
@@ -869,22 +868,30 @@ def mpo_advantages(rewards: torch.Tensor, values: torch.Tensor, turn_ids: torch.
 # (M6) The turn-level importance ratio with a stop-gradient, and (M7) the clipped surrogate
 # ---------------------------------------------------------------------------------------------
 
+def _turn_ratios(log_ratio: torch.Tensor, turn_ids: torch.Tensor, act: torch.Tensor,
+                 max_log_ratio: float):
+    """The turn ratios ρ_t = exp S_t, S_t = Σ_j log_ratio_{t,j} clamped to ±max_log_ratio
+    (B, T + 1: 1 for turns a row lacks and in column T, the non-turn positions' spare), and
+    each position's column (B, T). Detached: the ratios only enter through a stop-gradient or
+    a statistic."""
+    idx = torch.where(act, turn_ids, turn_ids.shape[1])                        # -1 -> spare column
+    S = torch.zeros(log_ratio.shape[0], turn_ids.shape[1] + 1, dtype=log_ratio.dtype,
+                    device=log_ratio.device).scatter_add_(1, idx, log_ratio.detach())
+    return torch.exp(S.clamp_(-max_log_ratio, max_log_ratio)), idx            # (B, T + 1), (B, T)
+
+
 def _turn_ratio(log_ratio: torch.Tensor, turn_ids: torch.Tensor, act: torch.Tensor,
                 max_log_ratio: float):
-    """ρ̃ (B, T) from masked log-ratios (act: turn_ids >= 0), the clamped turn log-ratio sums
-    S_t and the turn ratios ρ_t = exp S_t (B, T + 1; the spare column T: 0 and 1).
+    """ρ̃ (B, T) from masked log-ratios (act: turn_ids >= 0), and the turn ratios ρ_t
+    (`_turn_ratios`).
 
     ρ̃ = sg(ρ_t) · (1 + lr − sg(lr)): its value is ρ_t exactly (lr − sg(lr) is 0) and its
     derivative in lr is ρ_t, the same as exp(lr + sg(S_t − lr)) without a (B, T) exp: the
     turns' exp is taken once, on S.
     """
-    idx = torch.where(act, turn_ids, turn_ids.shape[1])                        # -1 -> spare column
-    S = torch.zeros(log_ratio.shape[0], turn_ids.shape[1] + 1, dtype=log_ratio.dtype,
-                    device=log_ratio.device).scatter_add_(1, idx, log_ratio.detach())
-    S = S.clamp_(-max_log_ratio, max_log_ratio)                                # (B, K = T + 1)
-    rho = torch.exp(S)                                                         # (B, K) ρ_t
+    rho, idx = _turn_ratios(log_ratio, turn_ids, act, max_log_ratio)           # (B, T + 1)
     rho_tok = torch.gather(rho, 1, idx)                                        # (B, T) sg(ρ_t)
-    return torch.addcmul(rho_tok, rho_tok, log_ratio - log_ratio.detach()), S, rho   # (B, T)
+    return torch.addcmul(rho_tok, rho_tok, log_ratio - log_ratio.detach()), rho   # (B, T)
 
 
 def turn_ratio(logp: torch.Tensor, old_logp: torch.Tensor, turn_ids: torch.Tensor,
@@ -999,7 +1006,7 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     log_ratio = torch.where(act, logp.to(dtype) - old_logp.to(dtype), zero)   # (B, T)
     rho_turn = None                                # the turn ratios e^S_t (B, T + 1), for the stats
     if ratio_level == "turn":                                                  # MPO: ρ̃_{t,i}
-        ratio, S, rho_turn = _turn_ratio(log_ratio, turn_ids, act, max_log_ratio)
+        ratio, rho_turn = _turn_ratio(log_ratio, turn_ids, act, max_log_ratio)
     elif ratio_level == "token":                                               # ρ_{t,i}
         clamped = log_ratio.clamp(-max_log_ratio, max_log_ratio)
         ratio = torch.exp(log_ratio + (clamped - log_ratio).detach())
@@ -1018,10 +1025,7 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
         nact = act.sum().clamp(min=1)
         clipped = act & (loss_tok != loss_unclipped)          # a clipped term: no gradient
         if rho_turn is None:                       # token / sequence level: per-turn sums only
-            idx = torch.where(act, turn_ids, turn_ids.shape[1])
-            S = torch.zeros(act.shape[0], act.shape[1] + 1, dtype=dtype, device=logp.device)
-            S = S.scatter_add_(1, idx, log_ratio).clamp_(-max_log_ratio, max_log_ratio)
-            rho_turn = torch.exp(S)                # (B, K + 1); 1 for turns a row does not have
+            rho_turn = _turn_ratios(log_ratio, turn_ids, act, max_log_ratio)[0]   # (B, K + 1)
         turn_out = (rho_turn < 1 - eps_low) | (rho_turn > 1 + eps_high)
         n_turns = (turn_ids.amax(dim=1) + 1).clamp(min=0).sum() if act.shape[1] else nact * 0
         r_tok = ratio if ratio_level == "token" else log_ratio.clamp(-max_log_ratio,
