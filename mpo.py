@@ -634,7 +634,7 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> tor
     """
     mask = mask.bool()
     x = torch.where(mask, x, torch.zeros_like(x))                              # junk off the mask: ignored
-    n = mask.sum()
+    n = torch.count_nonzero(mask)
     mean = x.sum() / n.clamp(min=1)
     var = torch.where(mask, x - mean, torch.zeros_like(x)).pow(2).sum() / (n - 1).clamp(min=1)
     return torch.where(mask, (x - mean) * torch.rsqrt(var + eps), torch.zeros_like(x))
@@ -868,30 +868,25 @@ def mpo_advantages(rewards: torch.Tensor, values: torch.Tensor, turn_ids: torch.
 # (M6) The turn-level importance ratio with a stop-gradient, and (M7) the clipped surrogate
 # ---------------------------------------------------------------------------------------------
 
+def _last_turns(turn_ids: torch.Tensor) -> torch.Tensor:
+    """Each row's last turn id, -1 for a row without turns (B,); turns are numbered in order."""
+    if turn_ids.shape[1] == 0:
+        return turn_ids.new_full((turn_ids.shape[0],), -1)
+    return turn_ids.amax(dim=1)
+
+
 def _turn_ratios(log_ratio: torch.Tensor, turn_ids: torch.Tensor, act: torch.Tensor,
-                 max_log_ratio: float):
+                 max_log_ratio: float, last: torch.Tensor):
     """The turn ratios ρ_t = exp S_t, S_t = Σ_j log_ratio_{t,j} clamped to ±max_log_ratio
-    (B, T + 1: 1 for turns a row lacks and in column T, the non-turn positions' spare), and
-    each position's column (B, T). Detached: the ratios only enter through a stop-gradient or
-    a statistic."""
-    idx = torch.where(act, turn_ids, turn_ids.shape[1])                        # -1 -> spare column
-    S = torch.zeros(log_ratio.shape[0], turn_ids.shape[1] + 1, dtype=log_ratio.dtype,
+    (B, W + 1: 1 for turns a row lacks and in column W, the non-turn positions' spare), and
+    each position's column (B, T). W = K, the most turns of a row, on the CPU, where reading it
+    back from `last` (`_last_turns`) costs no sync; T on a GPU. Detached: the ratios only enter
+    through a stop-gradient or a statistic."""
+    W = int(last.max()) + 1 if _on_cpu(last) and last.numel() else turn_ids.shape[1]
+    idx = torch.where(act, turn_ids, W)                                        # -1 -> spare column
+    S = torch.zeros(log_ratio.shape[0], W + 1, dtype=log_ratio.dtype,
                     device=log_ratio.device).scatter_add_(1, idx, log_ratio.detach())
-    return torch.exp(S.clamp_(-max_log_ratio, max_log_ratio)), idx            # (B, T + 1), (B, T)
-
-
-def _turn_ratio(log_ratio: torch.Tensor, turn_ids: torch.Tensor, act: torch.Tensor,
-                max_log_ratio: float):
-    """ρ̃ (B, T) from masked log-ratios (act: turn_ids >= 0), and the turn ratios ρ_t
-    (`_turn_ratios`).
-
-    ρ̃ = sg(ρ_t) · (1 + lr − sg(lr)): its value is ρ_t exactly (lr − sg(lr) is 0) and its
-    derivative in lr is ρ_t, the same as exp(lr + sg(S_t − lr)) without a (B, T) exp: the
-    turns' exp is taken once, on S.
-    """
-    rho, idx = _turn_ratios(log_ratio, turn_ids, act, max_log_ratio)           # (B, T + 1)
-    rho_tok = torch.gather(rho, 1, idx)                                        # (B, T) sg(ρ_t)
-    return torch.addcmul(rho_tok, rho_tok, log_ratio - log_ratio.detach()), rho   # (B, T)
+    return torch.exp(S.clamp_(-max_log_ratio, max_log_ratio)), idx            # (B, W + 1), (B, T)
 
 
 def turn_ratio(logp: torch.Tensor, old_logp: torch.Tensor, turn_ids: torch.Tensor,
@@ -927,17 +922,38 @@ def turn_ratio(logp: torch.Tensor, old_logp: torch.Tensor, turn_ids: torch.Tenso
     dtype = _compute_dtype(logp)
     zero = torch.zeros((), dtype=dtype, device=logp.device)
     log_ratio = torch.where(act, logp.to(dtype) - old_logp.to(dtype), zero)          # (B, T)
-    return _turn_ratio(log_ratio, turn_ids, act, max_log_ratio)[0]
+    rho, idx = _turn_ratios(log_ratio, turn_ids, act, max_log_ratio, _last_turns(turn_ids))  # (B, K + 1)
+    rho_tok = torch.gather(rho, 1, idx)                                        # (B, T) sg(ρ_t)
+    return torch.addcmul(rho_tok, rho_tok, log_ratio - log_ratio.detach())    # (B, T)
 
 
 
 
 
 def _sequence_ratio(log_ratio: torch.Tensor, act: torch.Tensor, max_log_ratio: float) -> torch.Tensor:
-    """(B3): GSPO-token ratio s_{b,p} = sg[s_b] · π_p / sg[π_p], s_b = exp(mean row log-ratio)."""
-    n = act.sum(dim=1, keepdim=True).clamp(min=1)
-    mean = (log_ratio.detach().sum(dim=1, keepdim=True) / n).clamp(-max_log_ratio, max_log_ratio)
-    return torch.exp(log_ratio + (mean - log_ratio).detach())                  # (B, T); mean (B, 1)
+    """(B3): GSPO's sequence ratio s_b = exp(mean of row b's log-ratios) at every position of
+    row b (B, T), detached."""
+    n = torch.count_nonzero(act, dim=1).unsqueeze(1).clamp(min=1)
+    mean = log_ratio.detach().sum(dim=1, keepdim=True) / n
+    return torch.exp(mean.clamp_(-max_log_ratio, max_log_ratio)).expand_as(log_ratio).contiguous()
+
+
+class _Surrogate(torch.autograd.Function):
+    """A loss given by its value and its gradient: forward returns `value` (0-dim), backward
+    hands `grad` (B, T), ∂loss/∂logp, to logp (scaled by the incoming gradient) and nothing to
+    anything else. First derivatives only (no double backward)."""
+
+    @staticmethod
+    def forward(ctx, logp, value, grad):
+        ctx.save_for_backward(grad)
+        ctx.logp_dtype = logp.dtype
+        return value.clone()
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, g):
+        (grad,) = ctx.saved_tensors
+        return (grad * g).to(ctx.logp_dtype), None, None
 
 
 # GSPO's clip range of the sequence ratio (Zheng et al., 2025, the GSPO paper's experiments:
@@ -970,6 +986,15 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     caps such a term at c·|A| with zero gradient once ρ > c: then every term's loss and
     gradient are bounded by max(c, 1 + ε_high)·|A| (per token, before the 1/N).
 
+    The gradient is written out, not left to autograd. Every level's ratio has derivative
+    ∂ρ_{b,p}/∂logp_{b,p} = ρ_{b,p} (its own token only: the stop-gradients of (M6) and GSPO-token;
+    PPO's exp), so
+        ∂L/∂logp_{b,p} = −(1/N) · ρ_{b,p} · A_{b,p}   for a term whose unclipped branch is taken,
+                         0                            for a clipped term and off the turns,
+    the gradient autograd gives for the max/clamp expression. The loss is built from that (B, T)
+    tensor and the value above (`_Surrogate`): its backward is one multiply. Only logp gets a
+    gradient (old_logp and advantages must not require one) and only a first derivative.
+
     Returns:
         loss: 0-dim tensor to minimise.
         stats: detached 0-dim tensors: clip_frac (share of action tokens whose term is clipped),
@@ -999,44 +1024,54 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
         max_log_ratio = _check_max_log_ratio(max_log_ratio)
         if num_tokens is not None:
             _check_num_tokens(num_tokens, turn_ids >= 0)
+    for name, x in (("old_logp", old_logp), ("advantages", advantages)):
+        if x.requires_grad:
+            raise ValueError(f"{name} requires grad, but policy_loss differentiates logp only; "
+                             f"pass {name}.detach()")
     eps_low, eps_high = clip_eps, clip_eps if clip_eps_high is None else clip_eps_high
     act = turn_ids >= 0
     dtype = _compute_dtype(logp)
     zero = torch.zeros((), dtype=dtype, device=logp.device)
-    log_ratio = torch.where(act, logp.to(dtype) - old_logp.to(dtype), zero)   # (B, T)
-    rho_turn = None                                # the turn ratios e^S_t (B, T + 1), for the stats
-    if ratio_level == "turn":                                                  # MPO: ρ̃_{t,i}
-        ratio, rho_turn = _turn_ratio(log_ratio, turn_ids, act, max_log_ratio)
-    elif ratio_level == "token":                                               # ρ_{t,i}
-        clamped = log_ratio.clamp(-max_log_ratio, max_log_ratio)
-        ratio = torch.exp(log_ratio + (clamped - log_ratio).detach())
-    else:                                                                      # GSPO s_b
-        ratio = _sequence_ratio(log_ratio, act, max_log_ratio)
-    A = torch.where(act, advantages.to(dtype), zero)                           # (B, T)
-    loss_unclipped = -A * ratio
-    loss_clipped = -A * ratio.clamp(1 - eps_low, 1 + eps_high)
-    loss_tok = torch.maximum(loss_unclipped, loss_clipped)                     # pessimistic bound
-    if dual_clip is not None:                                                  # A < 0: at most c|A|
-        loss_tok = torch.where(A < 0, torch.minimum(loss_tok, -dual_clip * A), loss_tok)
-    n = act.sum() if num_tokens is None else torch.as_tensor(num_tokens, device=logp.device)
-    loss = torch.where(act, loss_tok, zero).sum() / n.clamp(min=1)
+    # Below, in-place operations reuse buffers: on the CPU every fresh (B, T) buffer is fresh
+    # pages, which cost about as much to touch as the arithmetic done in them.
+    with torch.no_grad():                         # the value and the gradient, by hand (above)
+        log_ratio = torch.sub(logp.to(dtype), old_logp.to(dtype))
+        log_ratio = torch.where(act, log_ratio, zero, out=log_ratio)  # (B, T), 0 off the turns
+        last = _last_turns(turn_ids)                                   # (B,)
+        rho_turn, idx = _turn_ratios(log_ratio, turn_ids, act, max_log_ratio, last)  # (B, K + 1)
+        if ratio_level == "turn":                                      # MPO: ρ̃_{t,i} = ρ_t
+            ratio = torch.gather(rho_turn, 1, idx)                                # (B, T)
+        elif ratio_level == "token":                                   # ρ_{t,i}
+            ratio = log_ratio.clamp(-max_log_ratio, max_log_ratio).exp_()         # (B, T)
+        else:                                                          # GSPO s_b
+            ratio = _sequence_ratio(log_ratio, act, max_log_ratio)                # (B, T)
+        neg_A = torch.where(act, advantages.to(dtype), zero).neg_()    # (B, T) −A, 0 off the turns
+        loss_unclipped = neg_A * ratio                                 # −ρA
+        loss_tok = ratio.clamp(1 - eps_low, 1 + eps_high).mul_(neg_A)  # −clip(ρ)A
+        loss_tok = torch.maximum(loss_unclipped, loss_tok, out=loss_tok)
+        if dual_clip is not None:            # A < 0: at most c|A| (for A >= 0 the term is <= 0)
+            loss_tok = torch.minimum(loss_tok, neg_A.abs_().mul_(dual_clip), out=loss_tok)
+        nact = torch.count_nonzero(act).clamp(min=1)   # (a bool .sum() would copy to int64)
+        n = nact if num_tokens is None else torch.as_tensor(num_tokens, device=logp.device)
+        clipped = loss_tok != loss_unclipped           # terms without a gradient; A = 0 off turns
+        grad = loss_unclipped.masked_fill_(clipped, 0).div_(n)         # (B, T) ∂L/∂logp
+        value = loss_tok.sum() / n                                     # 0 off the turns: A = 0
+    loss = _Surrogate.apply(logp, value, grad)
 
     with torch.no_grad():
-        nact = act.sum().clamp(min=1)
-        clipped = act & (loss_tok != loss_unclipped)          # a clipped term: no gradient
-        if rho_turn is None:                       # token / sequence level: per-turn sums only
-            rho_turn = _turn_ratios(log_ratio, turn_ids, act, max_log_ratio)[0]   # (B, K + 1)
         turn_out = (rho_turn < 1 - eps_low) | (rho_turn > 1 + eps_high)
-        n_turns = (turn_ids.amax(dim=1) + 1).clamp(min=0).sum() if act.shape[1] else nact * 0
-        r_tok = ratio if ratio_level == "token" else log_ratio.clamp(-max_log_ratio,
-                                                                     max_log_ratio).exp_()
-        ratio_act = torch.where(act, ratio, zero)
+        n_turns = (last + 1).clamp(min=0).sum()
+        if ratio_level == "token":                 # (r − 1) − log r, 0 off the turns (r = 1)
+            kl = (ratio - 1).sub_(log_ratio)
+        else:
+            kl = log_ratio.clamp(-max_log_ratio, max_log_ratio).exp_().sub_(1).sub_(log_ratio)
+        ratio_act = torch.where(act, ratio, zero, out=ratio)          # ratio is not needed again
         stats = {
-            "clip_frac": clipped.sum().to(dtype) / nact,
-            "turn_clip_frac": turn_out.sum().to(dtype) / n_turns.clamp(min=1),
-            "approx_kl": torch.where(act, (r_tok - 1) - log_ratio, zero).sum() / nact,
+            "clip_frac": torch.count_nonzero(clipped).to(dtype) / nact,
+            "turn_clip_frac": torch.count_nonzero(turn_out).to(dtype) / n_turns.clamp(min=1),
+            "approx_kl": kl.sum() / nact,
             "ratio_mean": ratio_act.sum() / nact,
-            "ratio_max": ratio_act.amax() if ratio.numel() else zero.clone(),   # 0 if no token
+            "ratio_max": ratio_act.amax() if ratio_act.numel() else zero.clone(),   # 0 if no token
         }
     return loss, stats
 
@@ -1074,7 +1109,8 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
         old = torch.where(act, old_values.to(dtype), zero)
         v_clip = old + (v - old).clamp(-clip, clip)
         err = torch.maximum(err, (v_clip - R) ** 2)
-    n = act.sum() if num_tokens is None else torch.as_tensor(num_tokens, device=values.device)
+    n = (torch.count_nonzero(act) if num_tokens is None
+         else torch.as_tensor(num_tokens, device=values.device))
     return 0.5 * torch.where(act, err, zero).sum() / n.clamp(min=1)
 
 
@@ -1174,7 +1210,7 @@ def vapo_advantages(rewards: torch.Tensor, values: torch.Tensor, action_mask: to
         _validate_action_mask(rewards, values, action_mask)
     act = action_mask.bool()
     delta, v = _masked_token_residuals(rewards, values, act, 1.0)             # (B, T), (B, T)
-    length = act.sum(dim=1, keepdim=True).to(delta.dtype)                      # (B, 1) l_b
+    length = torch.count_nonzero(act, dim=1).unsqueeze(1).to(delta.dtype)                      # (B, 1) l_b
     lam = (1 - 1 / (alpha * length.clamp(min=1))).clamp(0, 1)                  # (B, 1) λ_b
     adv = _token_trace(delta, act, lam)                                        # (B, T)
     returns = v + _token_trace(delta, act, critic_lam, scratch=True)          # (B, T), 0 off

@@ -424,3 +424,100 @@ def test_policy_loss_bfloat16_inputs_give_float32_close_to_float64(b, level):
           where=b.turn_ids >= 0)
     vl = mpo.value_loss(b.values.bfloat16(), b.values.bfloat16(), A16, b.turn_ids)
     assert vl.dtype == torch.float32
+
+
+# --- the hand-written gradient (policy_loss's _Surrogate) -----------------------------------------
+def autograd_policy_loss(logp, old_logp, A, turn_ids, level, eps, eps_high, dual, mlr=20.0):
+    """The surrogate as autograd sees it: each level's differentiable ratio inside max/clamp."""
+    act = turn_ids >= 0
+    lr = torch.where(act, logp - old_logp, 0.0)
+    if level == "turn":
+        ratio = mpo.turn_ratio(logp, old_logp, turn_ids, max_log_ratio=mlr)
+    elif level == "token":
+        ratio = torch.exp(lr + (lr.clamp(-mlr, mlr) - lr).detach())
+    else:
+        mean = (lr.sum(1, keepdim=True) / act.sum(1, keepdim=True).clamp(min=1)).clamp(-mlr, mlr)
+        ratio = torch.exp(lr + (mean - lr).detach())
+    term = torch.maximum(-A * ratio, -A * ratio.clamp(1 - eps, 1 + eps_high))
+    if dual is not None:
+        term = torch.where(A < 0, torch.minimum(term, -dual * A), term)
+    return torch.where(act, term, 0.0).sum() / act.sum().clamp(min=1)
+
+
+@given(batches(log_ratio_scale=0.3), st.sampled_from(LEVELS), st.sampled_from([None, 0.28]),
+       st.sampled_from([None, 3.0]), st.floats(0.5, 4.0), st.integers(0, 2**31 - 1))
+def test_policy_loss_gradient_equals_autograd_of_the_clipped_surrogate(b, level, eps_high, dual,
+                                                                         scale, seed):
+    """The gradient policy_loss writes out is the one autograd gives for the max/clamp
+    expression with each level's stop-gradient ratio, also under an upstream scale, and with
+    ties (tokens at the old policy, ratio exactly 1) in the batch."""
+    g = torch.Generator().manual_seed(seed)
+    A = rand_adv(b, seed)
+    tie = torch.rand(b.logp.shape, generator=g) < 0.3
+    logp = torch.where(tie, b.old_logp, b.logp)              # ratio 1 at these tokens (token level)
+    eps = 0.2
+    lp = logp.clone().requires_grad_(True)
+    loss, _ = mpo.policy_loss(lp, b.old_logp, A, b.turn_ids, clip_eps=eps, ratio_level=level,
+                              clip_eps_high=eps_high, dual_clip=dual)
+    (scale * loss).backward()
+    lp2 = logp.clone().requires_grad_(True)
+    e_loss = autograd_policy_loss(lp2, b.old_logp, A, b.turn_ids, level, eps,
+                                  eps if eps_high is None else eps_high, dual)
+    (scale * e_loss).backward()
+    close(loss.detach(), e_loss.detach(), atol=1e-12)
+    close(lp.grad, lp2.grad, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["old_logp", "advantages"])
+def test_policy_loss_refuses_inputs_other_than_logp_that_require_grad(name):
+    b = make_batch(Layout([RowLayout(2, [3, 2], [1, 0], False)]), seed=0)
+    kw = {"old_logp": b.old_logp, "advantages": rand_adv(b)}
+    kw[name] = kw[name].clone().requires_grad_(True)
+    with pytest.raises(ValueError, match=f"{name} requires grad.*{name}.detach"):
+        mpo.policy_loss(b.logp.clone().requires_grad_(True), kw["old_logp"], kw["advantages"],
+                        b.turn_ids, validate=False)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_policy_loss_gradient_is_zero_and_finite_where_off_turn_logps_are_not(level):
+    """NaN / inf log-probs at prompt, observation and padding positions reach neither the loss
+    nor the gradient (the gradient there is exactly 0)."""
+    b = make_batch(Layout([RowLayout(2, [4, 3], [2, 1], False),
+                           RowLayout(1, [5], [3], True)]), seed=4,
+                   log_ratio_scale=0.2)
+    A = rand_adv(b, 1)
+    off = b.turn_ids < 0
+    bad = b.logp.clone()
+    bad[off] = torch.tensor([math.nan, -math.inf, math.inf], dtype=bad.dtype).repeat(int(off.sum()))[:int(off.sum())]
+    loss, grad, _ = loss_and_grad(b.logp, b.old_logp, A, b.turn_ids, ratio_level=level)
+    loss2, grad2, _ = loss_and_grad(bad, b.old_logp, A, b.turn_ids, ratio_level=level)
+    assert torch.isfinite(loss2) and torch.all(grad2[off] == 0)
+    close(loss2, loss, atol=0)
+    close(grad2, grad, atol=0)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_policy_loss_bfloat16_logp_gets_a_bfloat16_gradient_close_to_float64(level):
+    b = make_batch(Layout([RowLayout(2, [6, 4], [1, 0], False), RowLayout(3, [3, 3, 2], [1, 1, 0], True)]), seed=2,
+                   log_ratio_scale=0.05)
+    A = rand_adv(b, 3)
+    lp16 = b.logp.bfloat16().requires_grad_(True)
+    loss, _ = mpo.policy_loss(lp16, b.old_logp.bfloat16(), A.bfloat16(), b.turn_ids,
+                              clip_eps=0.2, ratio_level=level)
+    loss.backward()
+    assert lp16.grad.dtype == torch.bfloat16
+    _, e_grad, _ = ref.policy_loss(lp16.detach().double(), b.old_logp.bfloat16().double(),
+                                   A.bfloat16().double(), b.turn_ids, 0.2, level)
+    close(lp16.grad.double(), e_grad, atol=1e-3)
+    assert float(e_grad.abs().max()) > 1e-2                  # the comparison is not of zeros
+
+
+def test_policy_loss_has_no_second_derivative():
+    """The written-out gradient is a first derivative only: asking for a second one raises
+    instead of returning a silent zero."""
+    b = make_batch(Layout([RowLayout(1, [4], [0], False)]), seed=0, log_ratio_scale=0.2)
+    lp = b.logp.clone().requires_grad_(True)
+    loss, _ = mpo.policy_loss(lp, b.old_logp, rand_adv(b), b.turn_ids)
+    (g,) = torch.autograd.grad(loss, lp, create_graph=True)
+    with pytest.raises(RuntimeError, match="does not require grad|once_differentiable"):
+        torch.autograd.grad(g.sum(), lp)

@@ -12,7 +12,8 @@ Prints median wall times and the ratios issue 13 asks for:
   * the default call (validation on) / the fast path (target <= 1.5x);
   * a per-token reverse-loop GAE (verl-style, observation tokens skipped) / the fast path
     (target >= 20x at 64x4096);
-  * policy_loss forward+backward, ratio_level="turn" / "token" (target <= 1.1x).
+  * policy_loss forward+backward, ratio_level="turn" / "token" and "turn" / a plain token-ratio
+    PPO loss left to autograd (`plain_ppo_loss`, no statistics) (target <= 1.1x).
 Times are medians (or, with --stat min, minima) over repeats measured side by side (interleaved),
 so machine noise hits all.
 """
@@ -193,18 +194,34 @@ def bench_advantages(B, T, device, repeats):
     return t
 
 
+def plain_ppo_loss(logp, old, adv, act, eps=0.2):
+    """The textbook token-ratio PPO loss, left to autograd: the yardstick for policy_loss."""
+    ratio = torch.exp(logp - old)
+    term = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - eps, 1 + eps))
+    return (term * act).sum() / act.sum()
+
+
 def bench_loss(B, T, device, repeats):
     turn_ids, values, _ = make_batch(B, T, device, seed=1)
     g = torch.Generator().manual_seed(2)
     old = (-torch.rand(B, T, generator=g) * 3).to(device)
     new = (old + 0.05 * torch.randn(B, T, generator=g).to(device))
     adv = torch.randn(B, T, generator=g).to(device)
+    act = turn_ids >= 0
 
-    def step(level):
+    def step(module, level):
         logp = new.clone().requires_grad_(True)
-        loss, _ = mpo.policy_loss(logp, old, adv, turn_ids, ratio_level=level, validate=False)
+        loss, _ = module.policy_loss(logp, old, adv, turn_ids, ratio_level=level, validate=False)
         loss.backward()
-    return compare({lvl: (lambda lvl=lvl: step(lvl)) for lvl in ("token", "turn", "sequence")}, device, repeats)
+
+    def plain():
+        logp = new.clone().requires_grad_(True)
+        plain_ppo_loss(logp, old, adv, act).backward()
+    fns = {lvl: (lambda lvl=lvl: step(mpo, lvl)) for lvl in ("token", "turn", "sequence")}
+    fns["plain"] = plain
+    if THEN is not None:
+        fns.update({f"then {lvl}": (lambda lvl=lvl: step(THEN, lvl)) for lvl in ("token", "turn")})
+    return compare(fns, device, repeats)
 
 
 def main():
@@ -242,7 +259,7 @@ def main():
           "loss: policy_loss fwd+bwd; faults: minor page faults in one fast call after a warm-up")
     print(f"{'device':6} {'B':>4} {'T':>5} {'GB/s':>5} | {'mem':>7} {'fast':>8} {'fast,L':>8} {'fast,T':>8} {'fast,G':>8} {'default':>8} "
           f"{'loop':>8} {'tok_gae':>8} | {'fast/mem':>8} {'dflt/fast':>9} {'loop/fast':>9} | "
-          f"{'loss mem':>8} {'token':>8} {'turn':>8} {'seq':>8} {'turn/tok':>8} {'tok/mem':>7} | {'faults':>6}")
+          f"{'loss mem':>8} {'plain':>8} {'token':>8} {'turn':>8} {'seq':>8} {'turn/tok':>8} {'turn/plain':>10} {'tok/mem':>7} | {'faults':>6}")
     for device in devices:
         for B, T in shapes:
             a = bench_advantages(B, T, device, args.repeats)
@@ -255,14 +272,19 @@ def main():
                   f"{a['mpo_advantages+G']*1e3:6.1f}ms {a['mpo_advantages+validate']*1e3:6.1f}ms "
                   f"{a['loop_gae']*1e3:6.0f}ms {a['token_gae']*1e3:6.1f}ms | {fast/mem:7.1f}x "
                   f"{a['mpo_advantages+validate']/fast:8.2f}x {a['loop_gae']/fast:8.1f}x | "
-                  f"{mem_loss*1e3:6.2f}ms {l['token']*1e3:6.1f}ms {l['turn']*1e3:6.1f}ms "
-                  f"{l['sequence']*1e3:6.1f}ms {l['turn']/l['token']:7.2f}x "
+                  f"{mem_loss*1e3:6.2f}ms {l['plain']*1e3:6.1f}ms {l['token']*1e3:6.1f}ms "
+                  f"{l['turn']*1e3:6.1f}ms {l['sequence']*1e3:6.1f}ms {l['turn']/l['token']:7.2f}x "
+                  f"{l['turn']/l['plain']:9.2f}x "
                   f"{l['token']/mem_loss:6.1f}x | {a['faults']:6.0f}", flush=True)
             if THEN is not None:
                 print(f"{'':6} {'':>4} {'':>5} {'':>5} | {args.against}: fast {a['then']*1e3:.1f}ms "
                       f"({a['then']/mem:.1f}x mem, {a['then faults']:.0f} page faults), default "
                       f"{a['then+validate']*1e3:.1f}ms; today {a['then']/fast:.2f}x and "
                       f"{a['then+validate']/a['mpo_advantages+validate']:.2f}x faster", flush=True)
+                print(f"{'':6} {'':>4} {'':>5} {'':>5} | {args.against}: policy_loss token "
+                      f"{l['then token']*1e3:.1f}ms, turn {l['then turn']*1e3:.1f}ms; today "
+                      f"{l['then token']/l['token']:.2f}x and {l['then turn']/l['turn']:.2f}x "
+                      f"faster", flush=True)
 
 
 if __name__ == "__main__":
