@@ -922,12 +922,10 @@ def turn_ratio(logp: torch.Tensor, old_logp: torch.Tensor, turn_ids: torch.Tenso
     dtype = _compute_dtype(logp)
     zero = torch.zeros((), dtype=dtype, device=logp.device)
     log_ratio = torch.where(act, logp.to(dtype) - old_logp.to(dtype), zero)          # (B, T)
-    rho, idx = _turn_ratios(log_ratio, turn_ids, act, max_log_ratio, _last_turns(turn_ids))  # (B, K + 1)
+    last = _last_turns(turn_ids)                                               # (B,)
+    rho, idx = _turn_ratios(log_ratio, turn_ids, act, max_log_ratio, last)     # (B, K + 1)
     rho_tok = torch.gather(rho, 1, idx)                                        # (B, T) sg(ρ_t)
     return torch.addcmul(rho_tok, rho_tok, log_ratio - log_ratio.detach())    # (B, T)
-
-
-
 
 
 def _sequence_ratio(log_ratio: torch.Tensor, act: torch.Tensor, max_log_ratio: float) -> torch.Tensor:
