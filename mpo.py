@@ -876,17 +876,18 @@ def _last_turns(turn_ids: torch.Tensor) -> torch.Tensor:
 
 
 def _turn_ratios(log_ratio: torch.Tensor, turn_ids: torch.Tensor, act: torch.Tensor,
-                 max_log_ratio: float, last: torch.Tensor):
+                 max_log_ratio: float):
     """The turn ratios ρ_t = exp S_t, S_t = Σ_j log_ratio_{t,j} clamped to ±max_log_ratio
-    (B, W + 1: 1 for turns a row lacks and in column W, the non-turn positions' spare), and
-    each position's column (B, T). W = K, the most turns of a row, on the CPU, where reading it
-    back from `last` (`_last_turns`) costs no sync; T on a GPU. Detached: the ratios only enter
-    through a stop-gradient or a statistic."""
+    (B, W + 1: 1 for turns a row lacks and in column W, the non-turn positions' spare), each
+    position's column (B, T), and each row's last turn id (B,; `_last_turns`). W = K, the most
+    turns of a row, on the CPU, where reading it back costs no sync; T on a GPU. Detached: the
+    ratios only enter through a stop-gradient or a statistic."""
+    last = _last_turns(turn_ids)                                               # (B,)
     W = int(last.max()) + 1 if _on_cpu(last) and last.numel() else turn_ids.shape[1]
     idx = torch.where(act, turn_ids, W)                                        # -1 -> spare column
     S = torch.zeros(log_ratio.shape[0], W + 1, dtype=log_ratio.dtype,
                     device=log_ratio.device).scatter_add_(1, idx, log_ratio.detach())
-    return torch.exp(S.clamp_(-max_log_ratio, max_log_ratio)), idx            # (B, W + 1), (B, T)
+    return torch.exp(S.clamp_(-max_log_ratio, max_log_ratio)), idx, last      # (B, W + 1), (B, T)
 
 
 def turn_ratio(logp: torch.Tensor, old_logp: torch.Tensor, turn_ids: torch.Tensor,
@@ -922,8 +923,7 @@ def turn_ratio(logp: torch.Tensor, old_logp: torch.Tensor, turn_ids: torch.Tenso
     dtype = _compute_dtype(logp)
     zero = torch.zeros((), dtype=dtype, device=logp.device)
     log_ratio = torch.where(act, logp.to(dtype) - old_logp.to(dtype), zero)          # (B, T)
-    last = _last_turns(turn_ids)                                               # (B,)
-    rho, idx = _turn_ratios(log_ratio, turn_ids, act, max_log_ratio, last)     # (B, K + 1)
+    rho, idx, _ = _turn_ratios(log_ratio, turn_ids, act, max_log_ratio)        # (B, K + 1)
     rho_tok = torch.gather(rho, 1, idx)                                        # (B, T) sg(ρ_t)
     return torch.addcmul(rho_tok, rho_tok, log_ratio - log_ratio.detach())    # (B, T)
 
@@ -1035,8 +1035,7 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     with torch.no_grad():                         # the value and the gradient, by hand (above)
         log_ratio = torch.sub(logp.to(dtype), old_logp.to(dtype))
         log_ratio = torch.where(act, log_ratio, zero, out=log_ratio)  # (B, T), 0 off the turns
-        last = _last_turns(turn_ids)                                   # (B,)
-        rho_turn, idx = _turn_ratios(log_ratio, turn_ids, act, max_log_ratio, last)  # (B, K + 1)
+        rho_turn, idx, last = _turn_ratios(log_ratio, turn_ids, act, max_log_ratio)  # (B, K + 1)
         if ratio_level == "turn":                                      # MPO: ρ̃_{t,i} = ρ_t
             ratio = torch.gather(rho_turn, 1, idx)                                # (B, T)
         elif ratio_level == "token":                                   # ρ_{t,i}
@@ -1208,7 +1207,7 @@ def vapo_advantages(rewards: torch.Tensor, values: torch.Tensor, action_mask: to
         _validate_action_mask(rewards, values, action_mask)
     act = action_mask.bool()
     delta, v = _masked_token_residuals(rewards, values, act, 1.0)             # (B, T), (B, T)
-    length = torch.count_nonzero(act, dim=1).unsqueeze(1).to(delta.dtype)                      # (B, 1) l_b
+    length = torch.count_nonzero(act, dim=1).unsqueeze(1).to(delta.dtype)    # (B, 1) l_b
     lam = (1 - 1 / (alpha * length.clamp(min=1))).clamp(0, 1)                  # (B, 1) λ_b
     adv = _token_trace(delta, act, lam)                                        # (B, T)
     returns = v + _token_trace(delta, act, critic_lam, scratch=True)          # (B, T), 0 off

@@ -234,8 +234,9 @@ def main():
                          "shared machine do not inflate; use it with --threads 1 (CPU only)")
     ap.add_argument("--stat", choices=("median", "min"), default="median",
                     help="min: report each contender's fastest repeat instead of the median")
-    ap.add_argument("--against", metavar="REV", help="also time mpo_advantages of this git revision "
-                    "(fast path and default call), interleaved with today's")
+    ap.add_argument("--against", metavar="REV", help="also time mpo_advantages (fast path and "
+                    "default call) and policy_loss (token and turn) of this git revision, "
+                    "interleaved with today's")
     args = ap.parse_args()
     global CLOCK, THEN, STAT
     STAT = min if args.stat == "min" else statistics.median
