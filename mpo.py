@@ -690,24 +690,24 @@ def _mpo_rows(rewards, values, turn_ids, lam, lam_intra, beta, K, span, read_spa
     # faster than int64 ones): it wraps only for turn 255 + 256 j against 0 (off the turns),
     # which the act test excludes; two adjacent turns always differ in it (ids k and k + 1).
     low = shifted.to(torch.uint8)                                              # (B, T)
-    inside = torch.zeros_like(act)
+    inside = torch.empty_like(act)                 # every entry is written just below
     flat_low, flat_act, flat_in = low.view(-1), act.view(-1), inside.view(-1)   # (B T,) views
     torch.eq(flat_low[1:], flat_low[:-1], out=flat_in[:-1])
     flat_in[:-1] &= flat_act[:-1]
     flat_in[:-1] &= flat_act[1:]
     inside[:, -1] = False                          # the flat compare paired it with the next row
-    # 1. Turn bounds. key = 2 (turns begun so far) − act is 2k + 1 on turn k's tokens and 2k + 2
-    #    between turn k and turn k + 1: non-decreasing, so a binary search for 2k + 1 finds turn k's
-    #    first token and one for 2k + 2 the position after its last (T for a turn the row lacks).
+    # 1. Turn bounds. key = (turns begun so far) − act / 2 is k + 1/2 on turn k's tokens and k + 1
+    #    between turn k and turn k + 1: non-decreasing, so a binary search for k + 1/2 finds turn
+    #    k's first token and one for k + 1 the position after its last (T for a turn the row lacks).
     #    Counted in floating point (a float cumsum runs on both threads, an int one does not),
-    #    exact while below 2^24 (float32), far above any T in float64.
-    kdtype = torch.float32 if T < 2**23 else torch.float64
+    #    exact (halves included) while below 2^23 (float32), far above any T in float64.
+    kdtype = torch.float32 if T < 2**22 else torch.float64
     act_u8 = act.view(torch.uint8)
-    twice_first = act_u8.clone()                                               # (B, T) 2 at a turn's
-    twice_first[:, 1:] -= inside.view(torch.uint8)[:, :-1]                     # first token, else 0
-    twice_first.mul_(2)
-    key = torch.cumsum(twice_first, dim=1, dtype=kdtype).sub_(act_u8)
-    query = torch.arange(1, 2 * K + 1, dtype=kdtype, device=dev).expand(B, 2 * K)
+    first = torch.empty_like(act_u8)                                           # (B, T) 1 at a turn's
+    first[:, 0] = act_u8[:, 0]                                                 # first token, else 0
+    torch.sub(act_u8[:, 1:], inside.view(torch.uint8)[:, :-1], out=first[:, 1:])
+    key = torch.cumsum(first, dim=1, dtype=kdtype).sub_(act_u8, alpha=0.5)
+    query = torch.arange(1, 2 * K + 1, dtype=kdtype, device=dev).expand(B, 2 * K) / 2
     bounds = torch.searchsorted(key, query.contiguous())                      # (B, 2K)
     start, end = bounds[:, 0::2], bounds[:, 1::2]                              # (B, K)
     length = end - start                                                       # (B, K) L_t, 0 if none

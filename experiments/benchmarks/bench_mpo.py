@@ -21,6 +21,7 @@ import argparse
 import importlib.util
 import pathlib
 import platform
+import random
 import statistics
 import subprocess
 import sys
@@ -101,40 +102,45 @@ STAT = statistics.median           # --stat min: the fastest repeat (what the co
                                    # neighbour interferes; a median still includes their spells)
 
 
+try:
+    import resource                                                # not on Windows
+
+    def minor_faults():
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+except ImportError:
+    def minor_faults():
+        return float("nan")
+
+
 def timed(fn, device):
+    """fn's time, and the minor page faults (fresh memory touched) during it."""
     sync(device)
-    t0 = CLOCK()
+    f0, t0 = minor_faults(), CLOCK()
     fn()
     sync(device)
-    return CLOCK() - t0
+    return CLOCK() - t0, minor_faults() - f0
 
 
 def compare(fns, device, repeats):
     """Run the functions interleaved `repeats` times; return the median (or with --stat min,
-    the fastest) time of each.
+    the fastest) time of each, and as "<name> faults" the median of its calls' page faults.
 
-    The order rotates every repeat, so no contender always runs right after the same other one
-    (what a call costs depends on the memory the previous call left to the allocator)."""
+    The order is shuffled every repeat (seeded), so no contender always runs right after the
+    same other one: what a call costs depends on the caches and the memory the previous call
+    left to the allocator (a fixed rotation would keep every contender's predecessor fixed)."""
     for fn in fns.values():
         fn()                                                       # warm-up
     times = {name: [] for name in fns}
-    names = list(fns)
-    for r in range(repeats):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            times[name].append(timed(fns[name], device))
-    return {name: STAT(ts) for name, ts in times.items()}
-
-
-def page_faults(fn):
-    """Minor page faults (fresh memory touched) during one call of fn, after a warm-up call."""
-    try:
-        import resource
-    except ImportError:                                            # not on Windows
-        return float("nan")
-    fn()
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    fn()
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    faults = {name: [] for name in fns}
+    names, rng = list(fns), random.Random(0)
+    for _ in range(repeats):
+        rng.shuffle(names)
+        for name in names:
+            t, f = timed(fns[name], device)
+            times[name].append(t)
+            faults[name].append(f)
+    return {**{name: STAT(ts) for name, ts in times.items()},
+            **{f"{name} faults": statistics.median(fs) for name, fs in faults.items()}}
 
 
 COPY_MIB = 256                         # the yardstick: dst.copy_(src) of this many MiB of float32
@@ -164,12 +170,21 @@ def bench_advantages(B, T, device, repeats):
     ours, _ = mpo.token_gae(rewards, values, act, whiten=False)
     assert torch.allclose(ref, ours, atol=1e-3), "loop GAE and mpo.token_gae disagree"
     copy, copy_bytes = copy_timer(device)
+    fast = lambda: mpo.mpo_advantages(rewards, values, turn_ids, num_turns=K, validate=False)
+    held = [fast()]
+
+    def alive():
+        # a trainer's loop, `adv, ret = mpo_advantages(...)`: the previous call's outputs are
+        # freed only after the new ones exist, so the allocator may have to find fresh memory
+        # for them (page faults), which the copy yardstick, writing into its old dst, never does
+        held[0] = fast()
     t = compare({
         # the yardstick, timed in the same interleaved rounds as the contenders, so a busy
         # neighbour slows both (bandwidth = copy_bytes / its median time)
         "copy": copy,
         "loop_gae": lambda: loop_gae(rewards, values, act),
-        "mpo_advantages": lambda: mpo.mpo_advantages(rewards, values, turn_ids, num_turns=K, validate=False),
+        "mpo_advantages": fast,
+        "mpo_advantages+alive": alive,
         "mpo_advantages+validate": lambda: mpo.mpo_advantages(rewards, values, turn_ids),
         "mpo_advantages+L": lambda: mpo.mpo_advantages(rewards, values, turn_ids, num_turns=K,
                                                        max_turn_len=MAX_TURN_LEN, validate=False),
@@ -186,11 +201,6 @@ def bench_advantages(B, T, device, repeats):
             "then+validate": lambda: THEN.mpo_advantages(rewards, values, turn_ids)}),
     }, device, repeats)
     t["bandwidth"] = copy_bytes / t.pop("copy")
-    t["faults"] = page_faults(lambda: mpo.mpo_advantages(rewards, values, turn_ids, num_turns=K,
-                                                         validate=False))
-    if THEN is not None:
-        t["then faults"] = page_faults(lambda: THEN.mpo_advantages(rewards, values, turn_ids,
-                                                                   num_turns=K, validate=False))
     return t
 
 
@@ -224,6 +234,20 @@ def bench_loss(B, T, device, repeats):
     return compare(fns, device, repeats)
 
 
+def keep_memory():
+    """mallopt(M_MMAP_MAX, 0) and mallopt(M_TRIM_THRESHOLD, 2^31 - 1): glibc then serves every
+    allocation from its heap and never shrinks it."""
+    import ctypes
+    import ctypes.util
+    name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(name) if name else None
+    if libc is None or not hasattr(libc, "mallopt"):
+        raise SystemExit("bench_mpo.py: --keep-memory needs glibc (Linux); run without it")
+    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4                          # glibc's malloc.h
+    if not (libc.mallopt(M_MMAP_MAX, 0) and libc.mallopt(M_TRIM_THRESHOLD, ctypes.c_int(2**31 - 1))):
+        raise SystemExit("bench_mpo.py: --keep-memory: mallopt refused; run without it")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="small shapes (smoke run)")
@@ -237,7 +261,14 @@ def main():
     ap.add_argument("--against", metavar="REV", help="also time mpo_advantages (fast path and "
                     "default call) and policy_loss (token and turn) of this git revision, "
                     "interleaved with today's")
+    ap.add_argument("--keep-memory", action="store_true",
+                    help="glibc only: never return freed memory to the OS (mallopt: no mmap, no "
+                         "trim; what MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=<huge> do), so "
+                         "calls reuse memory instead of page-faulting fresh pages: the code's "
+                         "cost without the allocator's heuristics")
     args = ap.parse_args()
+    if args.keep_memory:
+        keep_memory()
     global CLOCK, THEN, STAT
     STAT = min if args.stat == "min" else statistics.median
     if args.against:
@@ -252,15 +283,18 @@ def main():
     devices = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
     print(f"torch {torch.__version__}, {platform.processor() or platform.machine()}, "
           f"{torch.get_num_threads()} threads, {args.clock} clock, {args.stat} of {args.repeats} "
-          f"interleaved repeats, float32")
+          f"interleaved repeats, float32"
+          f"{', --keep-memory (glibc never returns freed memory)' if args.keep_memory else ''}")
     print("mem: memory-bound time; fast: mpo_advantages(validate=False, num_turns=K); fast,L: "
           "the same with max_turn_len=400; fast,T: with max_turn_len=T (a scan of log2 T steps); "
           "fast,G: with critic_target='lambda_return'; "
           "default: the default call (validate=True); loop: per-token loop GAE; "
-          "loss: policy_loss fwd+bwd; faults: minor page faults in one fast call after a warm-up")
-    print(f"{'device':6} {'B':>4} {'T':>5} {'GB/s':>5} | {'mem':>7} {'fast':>8} {'fast,L':>8} {'fast,T':>8} {'fast,G':>8} {'default':>8} "
+          "alive: the fast path while the previous call's outputs are still alive (a trainer's "
+          "loop); loss: policy_loss fwd+bwd; faults: minor page faults (fresh memory touched) in a "
+          "fast and an alive call (medians over the timed repeats)")
+    print(f"{'device':6} {'B':>4} {'T':>5} {'GB/s':>5} | {'mem':>7} {'fast':>8} {'fast,L':>8} {'fast,T':>8} {'fast,G':>8} {'alive':>8} {'default':>8} "
           f"{'loop':>8} {'tok_gae':>8} | {'fast/mem':>8} {'dflt/fast':>9} {'loop/fast':>9} | "
-          f"{'loss mem':>8} {'plain':>8} {'token':>8} {'turn':>8} {'seq':>8} {'turn/tok':>8} {'turn/plain':>10} {'tok/mem':>7} | {'faults':>6}")
+          f"{'loss mem':>8} {'plain':>8} {'token':>8} {'turn':>8} {'seq':>8} {'turn/tok':>8} {'turn/plain':>10} {'tok/mem':>7} | {'faults':>11}")
     for device in devices:
         for B, T in shapes:
             a = bench_advantages(B, T, device, args.repeats)
@@ -270,13 +304,14 @@ def main():
             fast = a["mpo_advantages"]
             print(f"{device.type:6} {B:>4} {T:>5} {bandwidth / 1e9:5.1f} | {mem*1e3:5.2f}ms "
                   f"{fast*1e3:6.1f}ms {a['mpo_advantages+L']*1e3:6.1f}ms {a['mpo_advantages+T']*1e3:6.1f}ms "
-                  f"{a['mpo_advantages+G']*1e3:6.1f}ms {a['mpo_advantages+validate']*1e3:6.1f}ms "
+                  f"{a['mpo_advantages+G']*1e3:6.1f}ms {a['mpo_advantages+alive']*1e3:6.1f}ms "
+                  f"{a['mpo_advantages+validate']*1e3:6.1f}ms "
                   f"{a['loop_gae']*1e3:6.0f}ms {a['token_gae']*1e3:6.1f}ms | {fast/mem:7.1f}x "
                   f"{a['mpo_advantages+validate']/fast:8.2f}x {a['loop_gae']/fast:8.1f}x | "
                   f"{mem_loss*1e3:6.2f}ms {l['plain']*1e3:6.1f}ms {l['token']*1e3:6.1f}ms "
                   f"{l['turn']*1e3:6.1f}ms {l['sequence']*1e3:6.1f}ms {l['turn']/l['token']:7.2f}x "
                   f"{l['turn']/l['plain']:9.2f}x "
-                  f"{l['token']/mem_loss:6.1f}x | {a['faults']:6.0f}", flush=True)
+                  f"{l['token']/mem_loss:6.1f}x | {a['mpo_advantages faults']:5.0f} {a['mpo_advantages+alive faults']:5.0f}", flush=True)
             if THEN is not None:
                 print(f"{'':6} {'':>4} {'':>5} {'':>5} | {args.against}: fast {a['then']*1e3:.1f}ms "
                       f"({a['then']/mem:.1f}x mem, {a['then faults']:.0f} page faults), default "
