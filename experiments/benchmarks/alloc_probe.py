@@ -1,0 +1,58 @@
+"""How much the allocator costs mpo_advantages on the CPU: time and minor page faults a call.
+
+    python experiments/benchmarks/alloc_probe.py                 # 256x8192, 11 calls
+    MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=1073741824 python experiments/benchmarks/alloc_probe.py
+
+Each round times the fast path twice: once with its result dropped at once ("dropped"), once
+with the previous result alive during the call ("alive", a trainer's `adv, ret = ...` loop).
+A page fault is fresh memory touched: glibc returned the memory of an earlier call to the OS.
+Results depend on what the process allocated before (run it fresh), see docs/benchmarks.md.
+"""
+import argparse
+import pathlib
+import resource
+import statistics
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import mpo                                            # noqa: E402
+from bench_mpo import make_batch                      # noqa: E402
+
+
+def faults():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", default="256x8192", help="BxT (default 256x8192)")
+    ap.add_argument("--calls", type=int, default=11)
+    args = ap.parse_args()
+    try:
+        B, T = (int(x) for x in args.shape.lower().split("x"))
+    except ValueError:
+        raise SystemExit(f"alloc_probe.py: --shape must be BxT, e.g. 256x8192, got {args.shape!r}")
+    if B < 1 or T < 1 or args.calls < 1:
+        raise SystemExit("alloc_probe.py: --shape needs B, T >= 1 and --calls >= 1")
+    turn_ids, values, rewards = make_batch(B, T, "cpu")
+    K = int(turn_ids.max()) + 1
+    fast = lambda: mpo.mpo_advantages(rewards, values, turn_ids, num_turns=K, validate=False)  # noqa: E731
+    held = [fast()]
+    runs = {"dropped": ([], []), "alive": ([], [])}
+    for _ in range(args.calls):
+        for name in runs:
+            f0, t0 = faults(), time.perf_counter()
+            if name == "dropped":
+                fast()
+            else:
+                held[0] = fast()
+            runs[name][0].append(time.perf_counter() - t0)
+            runs[name][1].append(faults() - f0)
+    print(" | ".join(f"{name}: {statistics.median(ts) * 1e3:.1f} ms, {statistics.median(fs):.0f} faults"
+                     for name, (ts, fs) in runs.items()) + f"  ({B}x{T}, medians of {args.calls})")
+
+
+if __name__ == "__main__":
+    main()
