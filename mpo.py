@@ -43,6 +43,7 @@ Usage:
 """
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 
@@ -663,6 +664,38 @@ def _turn_sums(x: torch.Tensor, bounds: torch.Tensor, chunk: int = 64) -> torch.
     return (upto[:, 1::2] - upto[:, 0::2]).to(x.dtype)                     # (B, K)
 
 
+SMALL_K = 256                      # up to this many turn columns `_mpo_rows` runs (M3) as a matmul
+
+
+def _build_bound_queries(B: int, K: int, dtype, device) -> torch.Tensor:
+    """(B, 2K) [1/2, 1, 3/2, ..., K] in every row: the keys `_mpo_rows` searches for."""
+    return (torch.arange(1, 2 * K + 1, dtype=dtype, device=device) / 2).expand(B, 2 * K).contiguous()
+
+
+_cached_bound_queries = functools.lru_cache(maxsize=16)(_build_bound_queries)
+
+
+def _bound_queries(B: int, K: int, dtype, device) -> torch.Tensor:
+    """`_build_bound_queries`, cached up to SMALL_K turns (the caller only reads it); past that
+    (K = T on a GPU without num_turns) a cache would hold (B, 2T) floats per shape."""
+    cached = K <= SMALL_K
+    return (_cached_bound_queries if cached else _build_bound_queries)(B, K, dtype, device)
+
+
+@functools.lru_cache(maxsize=16)                 # a trainer asks for the same few every step
+def _turn_gae_matrix(K: int, lam: float, dtype, device) -> torch.Tensor:
+    """W (K, K) with W[j, t] = λ^(j − t) for j >= t, else 0: A^turn = δ^turn @ W is (M3),
+    A^turn_t = Σ_{j>=t} λ^(j−t) δ^turn_j, when each row's turns are 0..k − 1 and the columns
+    past them hold δ^turn = 0 (as `_turn_sums` gives for a turn the row lacks): the recursion's
+    reset at a missing turn then multiplies only zeros. For few turns a (B, K) recursion is
+    dominated by its ~25 small ops' fixed cost; the matmul is one (λ = 0: W = I, as 0^0 = 1).
+    Cached: the callers only read it."""
+    j = torch.arange(K, device=device)
+    lag = j[:, None] - j[None, :]                                              # (K, K) j − t
+    powers = torch.pow(torch.tensor(lam, dtype=dtype, device=device), lag.clamp(min=0).to(dtype))
+    return torch.where(lag >= 0, powers, torch.zeros((), dtype=dtype, device=device))
+
+
 def _mpo_rows(rewards, values, turn_ids, lam, lam_intra, beta, K, span, read_span, critic_target,
               adv, returns):
     """`mpo_advantages` on a block of rows: (M1)–(M4) and Eq. (20) fused, written into `adv`
@@ -707,8 +740,7 @@ def _mpo_rows(rewards, values, turn_ids, lam, lam_intra, beta, K, span, read_spa
     first[:, 0] = act_u8[:, 0]                                                 # first token, else 0
     torch.sub(act_u8[:, 1:], inside.view(torch.uint8)[:, :-1], out=first[:, 1:])
     key = torch.cumsum(first, dim=1, dtype=kdtype).sub_(act_u8, alpha=0.5)
-    query = torch.arange(1, 2 * K + 1, dtype=kdtype, device=dev).expand(B, 2 * K) / 2
-    bounds = torch.searchsorted(key, query.contiguous())                      # (B, 2K)
+    bounds = torch.searchsorted(key, _bound_queries(B, K, kdtype, dev))       # (B, 2K)
     start, end = bounds[:, 0::2], bounds[:, 1::2]                              # (B, K)
     length = end - start                                                       # (B, K) L_t, 0 if none
     has_turn = length > 0
@@ -731,7 +763,10 @@ def _mpo_rows(rewards, values, turn_ids, lam, lam_intra, beta, K, span, read_spa
     delta.scatter_add_(1, last, F.pad(v_start[:, 1:], (0, 1)))                 # + V_{t+1,1}; 0 off turns
     # 3. (M2) δ^turn_t = Σ_i δ_{t,i} and (M3) A^turn, on (B, K)
     delta_turn = _turn_sums(delta, bounds)                                    # (B, K)
-    adv_turn = _reverse_scan(delta_turn, has_turn.to(dtype).mul_(lam), scratch=False)  # (B, K)
+    if K <= SMALL_K:                               # one matmul instead of ~25 small ops
+        adv_turn = delta_turn @ _turn_gae_matrix(K, lam, dtype, dev)          # (B, K)
+    else:
+        adv_turn = _reverse_scan(delta_turn, has_turn.to(dtype).mul_(lam), scratch=False)
     # 4. (M4) intra-turn traces: the scan with decay λ_intra inside a turn, 0 at its end. The
     #    decay is 0 at every row's last position, so the block scans as one flat row (N,), in
     #    buffers with a zero tail (`_scan_padded`): shifted views of a flat tensor are faster

@@ -324,3 +324,35 @@ def test_non_contiguous_inputs_give_the_contiguous_numbers(rows_per_block, targe
                 got = mpo.mpo_advantages(*args, critic_target=target, validate=validate)
                 for g, e in zip(got, expect):
                     assert torch.equal(g, e), (name, validate)
+
+
+def test_turn_gae_matrix_holds_the_powers_of_lambda():
+    W = mpo._turn_gae_matrix(3, 0.5, torch.float64, torch.device("cpu"))
+    assert W.tolist() == [[1.0, 0.0, 0.0], [0.5, 1.0, 0.0], [0.25, 0.5, 1.0]]
+    assert torch.equal(mpo._turn_gae_matrix(4, 0.0, torch.float64, torch.device("cpu")),
+                       torch.eye(4, dtype=torch.float64))                       # 0^0 = 1
+    assert mpo._turn_gae_matrix(0, 0.8, torch.float32, torch.device("cpu")).shape == (0, 0)
+
+
+@given(adjacent_layouts(), st.integers(0, 2**31 - 1), st.sampled_from([0.0, 0.37, 0.8, 1.0]),
+       lams, betas, st.sampled_from(["mae", "lambda_return"]), st.sampled_from([0, 2, 9]))
+def test_turn_gae_as_a_matmul_or_as_the_scan_gives_the_loop_numbers(layout, seed, lam, lam_intra,
+                                                                    beta, target, extra_k):
+    """(M3) in `_mpo_rows` is a matmul up to SMALL_K turn columns, else the scan: both against
+    the loop reference, with turn columns the rows lack (extra_k) and λ = 0 and 1."""
+    b = make_batch(layout, seed, reward_kind="dense")
+    e_adv, e_ret = ref.mpo_advantages(b.rewards, b.values, b.turn_ids, lam, lam_intra, beta,
+                                      False, critic_target=target)
+    K = int(b.turn_ids.max()) + 1
+    old = mpo.SMALL_K
+    try:
+        for small_k in (0, K + extra_k):              # 0: every K takes the scan
+            mpo.SMALL_K = small_k
+            for validate in (True, False):
+                adv, ret = mpo.mpo_advantages(b.rewards, b.values, b.turn_ids, lam, lam_intra,
+                                              beta, False, num_turns=K + extra_k,
+                                              critic_target=target, validate=validate)
+                close(adv, e_adv)
+                close(ret, e_ret)
+    finally:
+        mpo.SMALL_K = old
