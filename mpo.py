@@ -93,6 +93,17 @@ def _check_tensor(name: str, x, ref: torch.Tensor | None = None, dims: int = 2,
         raise ValueError(f"{name} is on {x.device} but {ref_name} is on {ref.device}")
 
 
+_NOT_DIFFERENTIABLE = "{} computes targets in place (advantages, returns), not a differentiable expression"
+
+
+def _refuse_grad(why: str, **tensors) -> None:
+    """ValueError for a tensor argument that requires grad (checked with validate=False too:
+    it costs no read); `why` says what the function differentiates, if anything."""
+    for name, x in tensors.items():
+        if isinstance(x, torch.Tensor) and x.requires_grad:
+            raise ValueError(f"{name} requires grad, but {why}; pass {name}.detach()")
+
+
 def _any(mask: torch.Tensor) -> bool:
     """bool(mask.any()) for a bool tensor, read as bytes (torch's bool any() is ~10x slower on CPU)."""
     return mask.numel() > 0 and bool(mask.view(torch.uint8).amax())
@@ -845,6 +856,7 @@ def mpo_advantages(rewards: torch.Tensor, values: torch.Tensor, turn_ids: torch.
     """
     if critic_target not in CRITIC_TARGETS:
         raise ValueError(f"critic_target must be one of {CRITIC_TARGETS}, got {critic_target!r}")
+    _refuse_grad(_NOT_DIFFERENTIABLE.format("mpo_advantages"), rewards=rewards, values=values)
     if validate:
         lam = _check_unit("lam", lam)
         lam_intra = _check_unit("lam_intra", lam_intra)
@@ -1057,10 +1069,7 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
         max_log_ratio = _check_max_log_ratio(max_log_ratio)
         if num_tokens is not None:
             _check_num_tokens(num_tokens, turn_ids >= 0)
-    for name, x in (("old_logp", old_logp), ("advantages", advantages)):
-        if x.requires_grad:
-            raise ValueError(f"{name} requires grad, but policy_loss differentiates logp only; "
-                             f"pass {name}.detach()")
+    _refuse_grad("policy_loss differentiates logp only", old_logp=old_logp, advantages=advantages)
     eps_low, eps_high = clip_eps, clip_eps if clip_eps_high is None else clip_eps_high
     act = turn_ids >= 0
     dtype = _compute_dtype(logp)
@@ -1195,6 +1204,7 @@ def token_gae(rewards: torch.Tensor, values: torch.Tensor, action_mask: torch.Te
         rewards, values: (B, T) float; action_mask: (B, T) bool or 0/1 integers (1 = action token).
         lam: λ in [0, 1]; gamma: γ in [0, 1]; whiten: standardise over the batch's action tokens.
     """
+    _refuse_grad(_NOT_DIFFERENTIABLE.format("token_gae"), rewards=rewards, values=values)
     if validate:
         lam = _check_unit("lam", lam)
         gamma = _check_unit("gamma", gamma)
@@ -1206,15 +1216,6 @@ def token_gae(rewards: torch.Tensor, values: torch.Tensor, action_mask: torch.Te
     if whiten:
         adv = masked_whiten(adv, act)
     return adv, returns
-
-
-
-
-
-
-
-
-
 
 
 def vapo_advantages(rewards: torch.Tensor, values: torch.Tensor, action_mask: torch.Tensor,
@@ -1236,6 +1237,7 @@ def vapo_advantages(rewards: torch.Tensor, values: torch.Tensor, action_mask: to
     Returns:
         advantages (B, T), whitened if `whiten`; returns (B, T) = values + GAE(critic_lam).
     """
+    _refuse_grad(_NOT_DIFFERENTIABLE.format("vapo_advantages"), rewards=rewards, values=values)
     if validate:
         alpha = _check_number("alpha", alpha, lambda v: 0 < v < math.inf, "> 0")
         critic_lam = _check_unit("critic_lam", critic_lam)

@@ -235,3 +235,23 @@ def test_non_finite_values_and_logp_off_action_positions_are_ignored(junk):
     assert torch.isfinite(vl2) and torch.equal(vl1, mpo.value_loss(b.values, b.values, b.values + 1,
                                                                      b.turn_ids, clip=0.2))
     assert math.isclose(float(vl1), 0.5, rel_tol=1e-12)
+
+
+@pytest.mark.parametrize("fn", ["mpo_advantages", "token_gae", "vapo_advantages"])
+@pytest.mark.parametrize("arg", ["rewards", "values"])
+@pytest.mark.parametrize("validate", [True, False])
+def test_estimators_refuse_inputs_that_require_grad(fn, arg, validate):
+    """Critic values straight from a model require grad; the fused estimators write into buffers
+    (autograd cannot follow), so they say so instead of torch's out= error."""
+    rewards = torch.zeros(TID.shape, dtype=torch.float64)
+    rewards[0, 6] = 1.0
+    values = torch.rand(TID.shape, dtype=torch.float64)
+    inputs = {"rewards": rewards, "values": values}
+    inputs[arg] = inputs[arg].clone().requires_grad_(True)
+    third = TID if fn == "mpo_advantages" else TID >= 0
+    with pytest.raises(ValueError, match=rf"^{arg} requires grad, but {fn} computes targets.*"
+                                         rf"pass {arg}\.detach\(\)$"):
+        getattr(mpo, fn)(inputs["rewards"], inputs["values"], third, validate=validate)
+    adv, ret = getattr(mpo, fn)(rewards, inputs["values"].detach() if arg == "values" else values,
+                                third, validate=validate)              # detached: fine
+    assert adv.shape == TID.shape and not adv.requires_grad
