@@ -76,6 +76,16 @@ def _row_blocks(x: torch.Tensor) -> list[slice]:
     return [slice(r, r + rows) for r in range(0, x.shape[0], rows)]
 
 
+def _turn_columns(turn_ids: torch.Tensor, ids: torch.Tensor | None = None) -> int:
+    """How many turn columns a per-turn tensor of these rows needs: the most turns of a row
+    (1 + the largest id in `ids`, default turn_ids itself, e.g. each row's last turn) read back
+    on the CPU, where that costs no sync; T elsewhere, an upper bound that needs no sync."""
+    ids = turn_ids if ids is None else ids
+    if not _on_cpu(turn_ids) or ids.numel() == 0:
+        return turn_ids.shape[1]
+    return max(int(ids.max()), -1) + 1
+
+
 # ---------------------------------------------------------------------------------------------
 # Input validation: every public function checks its arguments unless validate=False.
 # These checks read values back to the host (one sync per block); they never change a number.
@@ -890,7 +900,7 @@ def mpo_advantages(rewards: torch.Tensor, values: torch.Tensor, turn_ids: torch.
     longest = 1
     for rs in blocks:
         ids = turn_ids[rs]
-        k = K if K is not None else (max(int(ids.max()), -1) + 1 if on_cpu else T)
+        k = K if K is not None else _turn_columns(ids)
         act, total_b, n_b, span = _mpo_rows(rewards[rs], values[rs], ids, lam, lam_intra, beta, k,
                                        max_turn_len, read_span, critic_target, adv[rs],
                                        returns[rs])
@@ -930,7 +940,7 @@ def _turn_ratios(log_ratio: torch.Tensor, turn_ids: torch.Tensor, act: torch.Ten
     turns of a row, on the CPU, where reading it back costs no sync; T on a GPU. Detached: the
     ratios only enter through a stop-gradient or a statistic."""
     last = _last_turns(turn_ids)                                               # (B,)
-    W = int(last.max()) + 1 if _on_cpu(last) and last.numel() else turn_ids.shape[1]
+    W = _turn_columns(turn_ids, last)
     idx = torch.where(act, turn_ids, W)                                        # -1 -> spare column
     S = torch.zeros(log_ratio.shape[0], W + 1, dtype=log_ratio.dtype,
                     device=log_ratio.device).scatter_add_(1, idx, log_ratio.detach())
