@@ -3,6 +3,7 @@
     python experiments/benchmarks/bench_mpo.py            # 64x4096, 256x8192, 64x32768 (CPU; CUDA if present)
     python experiments/benchmarks/bench_mpo.py --quick    # small shapes, a few seconds
     python experiments/benchmarks/bench_mpo.py --against 1fe0180   # and mpo.py of that commit
+    python experiments/benchmarks/bench_mpo.py --keep-memory  # glibc keeps freed memory (no page faults)
 
 Prints median wall times and the ratios issue 13 asks for:
   * memory-bound time: the bytes a call must move at least (its inputs read once, its outputs
@@ -14,8 +15,10 @@ Prints median wall times and the ratios issue 13 asks for:
     (target >= 20x at 64x4096);
   * policy_loss forward+backward, ratio_level="turn" / "token" and "turn" / a plain token-ratio
     PPO loss left to autograd (`plain_ppo_loss`, no statistics) (target <= 1.1x).
-Times are medians (or, with --stat min, minima) over repeats measured side by side (interleaved),
-so machine noise hits all.
+Times are medians (or, with --stat min, minima) over repeats measured side by side (interleaved,
+in a shuffled order), so machine noise hits all. The faults columns count fresh memory touched
+in the timed calls (medians): glibc may hand freed memory back to the OS between calls, and a
+call that faults its memory again can take twice as long (docs/benchmarks.md, alloc_probe.py).
 """
 import argparse
 import importlib.util
