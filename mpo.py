@@ -688,21 +688,6 @@ def _turn_sums(x: torch.Tensor, bounds: torch.Tensor, chunk: int = 64) -> torch.
 SMALL_K = 256                      # up to this many turn columns `_mpo_rows` runs (M3) as a matmul
 
 
-def _build_bound_queries(B: int, K: int, dtype, device) -> torch.Tensor:
-    """(B, 2K) [1/2, 1, 3/2, ..., K] in every row: the keys `_mpo_rows` searches for."""
-    return (torch.arange(1, 2 * K + 1, dtype=dtype, device=device) / 2).expand(B, 2 * K).contiguous()
-
-
-_cached_bound_queries = functools.lru_cache(maxsize=16)(_build_bound_queries)
-
-
-def _bound_queries(B: int, K: int, dtype, device) -> torch.Tensor:
-    """`_build_bound_queries`, cached up to SMALL_K turns (the caller only reads it); past that
-    (K = T on a GPU without num_turns) a cache would hold (B, 2T) floats per shape."""
-    cached = K <= SMALL_K
-    return (_cached_bound_queries if cached else _build_bound_queries)(B, K, dtype, device)
-
-
 @functools.lru_cache(maxsize=16)                 # a trainer asks for the same few every step
 def _turn_gae_matrix(K: int, lam: float, dtype, device) -> torch.Tensor:
     """W (K, K) with W[j, t] = λ^(j − t) for j >= t, else 0: A^turn = δ^turn @ W is (M3),
@@ -711,10 +696,8 @@ def _turn_gae_matrix(K: int, lam: float, dtype, device) -> torch.Tensor:
     reset at a missing turn then multiplies only zeros. For few turns a (B, K) recursion is
     dominated by its ~25 small ops' fixed cost; the matmul is one (λ = 0: W = I, as 0^0 = 1).
     Cached: the callers only read it."""
-    j = torch.arange(K, device=device)
-    lag = j[:, None] - j[None, :]                                              # (K, K) j − t
-    powers = torch.pow(torch.tensor(lam, dtype=dtype, device=device), lag.clamp(min=0).to(dtype))
-    return torch.where(lag >= 0, powers, torch.zeros((), dtype=dtype, device=device))
+    j = torch.arange(K, dtype=dtype, device=device)
+    return torch.tril(lam ** (j[:, None] - j[None, :]).clamp_(min=0))         # (K, K) λ^(j − t)
 
 
 def _mpo_rows(rewards, values, turn_ids, lam, lam_intra, beta, K, span, read_span, critic_target,
@@ -761,7 +744,8 @@ def _mpo_rows(rewards, values, turn_ids, lam, lam_intra, beta, K, span, read_spa
     first[:, 0] = act_u8[:, 0]                                                 # first token, else 0
     torch.sub(act_u8[:, 1:], inside.view(torch.uint8)[:, :-1], out=first[:, 1:])
     key = torch.cumsum(first, dim=1, dtype=kdtype).sub_(act_u8, alpha=0.5)
-    bounds = torch.searchsorted(key, _bound_queries(B, K, kdtype, dev))       # (B, 2K)
+    query = torch.arange(1, 2 * K + 1, dtype=kdtype, device=dev).div_(2).expand(B, 2 * K)
+    bounds = torch.searchsorted(key, query.contiguous())                      # (B, 2K)
     start, end = bounds[:, 0::2], bounds[:, 1::2]                              # (B, K)
     length = end - start                                                       # (B, K) L_t, 0 if none
     has_turn = length > 0

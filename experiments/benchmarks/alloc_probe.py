@@ -10,19 +10,15 @@ Results depend on what the process allocated before (run it fresh), see docs/ben
 """
 import argparse
 import pathlib
-import resource
 import statistics
 import sys
-import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import torch                                          # noqa: E402
+
 import mpo                                            # noqa: E402
-from bench_mpo import make_batch                      # noqa: E402
-
-
-def faults():
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+from bench_mpo import make_batch, timed               # noqa: E402
 
 
 def main():
@@ -40,16 +36,16 @@ def main():
     K = int(turn_ids.max()) + 1
     fast = lambda: mpo.mpo_advantages(rewards, values, turn_ids, num_turns=K, validate=False)  # noqa: E731
     held = [fast()]
-    runs = {"dropped": ([], []), "alive": ([], [])}
+
+    def alive():                                      # the previous result alive during the call
+        held[0] = fast()
+    fns = {"dropped": fast, "alive": alive}
+    runs = {name: ([], []) for name in fns}
     for _ in range(args.calls):
-        for name in runs:
-            f0, t0 = faults(), time.perf_counter()
-            if name == "dropped":
-                fast()
-            else:
-                held[0] = fast()
-            runs[name][0].append(time.perf_counter() - t0)
-            runs[name][1].append(faults() - f0)
+        for name, fn in fns.items():
+            t, f = timed(fn, torch.device("cpu"))     # seconds, minor page faults
+            runs[name][0].append(t)
+            runs[name][1].append(f)
     print(" | ".join(f"{name}: {statistics.median(ts) * 1e3:.1f} ms, {statistics.median(fs):.0f} faults"
                      for name, (ts, fs) in runs.items()) + f"  ({B}x{T}, medians of {args.calls})")
 
