@@ -18,7 +18,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import torch                                          # noqa: E402
 
 import mpo                                            # noqa: E402
-from bench_mpo import make_batch, timed               # noqa: E402
+from bench_mpo import make_batch, timed, trainer_loop  # noqa: E402
 
 
 def main():
@@ -35,11 +35,7 @@ def main():
     turn_ids, values, rewards = make_batch(B, T, "cpu")
     K = int(turn_ids.max()) + 1
     fast = lambda: mpo.mpo_advantages(rewards, values, turn_ids, num_turns=K, validate=False)  # noqa: E731
-    held = [fast()]
-
-    def alive():                                      # the previous result alive during the call
-        held[0] = fast()
-    fns = {"dropped": fast, "alive": alive}
+    fns = {"dropped": fast, "alive": trainer_loop(fast)}     # alive: the previous result kept
     runs = {name: ([], []) for name in fns}
     for _ in range(args.calls):
         for name, fn in fns.items():

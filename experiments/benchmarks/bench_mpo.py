@@ -124,6 +124,18 @@ def timed(fn, device):
     return CLOCK() - t0, minor_faults() - f0
 
 
+def trainer_loop(fn):
+    """fn called as a trainer's loop calls it, `adv, ret = mpo_advantages(...)`: the previous
+    call's outputs are freed only after the new ones exist, so the allocator may have to find
+    fresh memory for them (page faults), which the copy yardstick, writing into its old dst,
+    never does. Returns the function to time."""
+    held = [fn()]
+
+    def alive():
+        held[0] = fn()
+    return alive
+
+
 def compare(fns, device, repeats):
     """Run the functions interleaved `repeats` times; return the median (or with --stat min,
     the fastest) time of each, and as "<name> faults" the median of its calls' page faults.
@@ -174,13 +186,7 @@ def bench_advantages(B, T, device, repeats):
     assert torch.allclose(ref, ours, atol=1e-3), "loop GAE and mpo.token_gae disagree"
     copy, copy_bytes = copy_timer(device)
     fast = lambda: mpo.mpo_advantages(rewards, values, turn_ids, num_turns=K, validate=False)
-    held = [fast()]
-
-    def alive():
-        # a trainer's loop, `adv, ret = mpo_advantages(...)`: the previous call's outputs are
-        # freed only after the new ones exist, so the allocator may have to find fresh memory
-        # for them (page faults), which the copy yardstick, writing into its old dst, never does
-        held[0] = fast()
+    alive = trainer_loop(fast)
     t = compare({
         # the yardstick, timed in the same interleaved rounds as the contenders, so a busy
         # neighbour slows both (bandwidth = copy_bytes / its median time)
