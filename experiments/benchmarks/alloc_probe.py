@@ -18,7 +18,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import torch                                          # noqa: E402
 
 import mpo                                            # noqa: E402
-from bench_mpo import make_batch, timed, trainer_loop  # noqa: E402
+from bench_mpo import make_batch, parse_shape, timed, trainer_loop  # noqa: E402
 
 
 def main():
@@ -26,10 +26,7 @@ def main():
     ap.add_argument("--shape", default="256x8192", help="BxT (default 256x8192)")
     ap.add_argument("--calls", type=int, default=11)
     args = ap.parse_args()
-    try:
-        B, T = (int(x) for x in args.shape.lower().split("x"))
-    except ValueError:
-        raise SystemExit(f"alloc_probe.py: --shape must be BxT, e.g. 256x8192, got {args.shape!r}")
+    B, T = parse_shape("alloc_probe.py", args.shape)
     if B < 1 or T < 1 or args.calls < 1:
         raise SystemExit("alloc_probe.py: --shape needs B, T >= 1 and --calls >= 1")
     turn_ids, values, rewards = make_batch(B, T, "cpu")

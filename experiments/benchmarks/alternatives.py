@@ -31,7 +31,7 @@ import torch                                          # noqa: E402
 import torch.nn.functional as F                       # noqa: E402
 
 import mpo                                            # noqa: E402
-from bench_mpo import compare, make_batch             # noqa: E402
+from bench_mpo import compare, make_batch, parse_shape  # noqa: E402
 
 CPU = torch.device("cpu")
 
@@ -178,10 +178,7 @@ def main():
                     "(default 64x8192: CPU_BLOCK positions)")
     ap.add_argument("--repeats", type=int, default=15)
     args = ap.parse_args()
-    try:
-        B, T = (int(x) for x in args.shape.lower().split("x"))
-    except ValueError:
-        raise SystemExit(f"alternatives.py: --shape must be BxT, e.g. 64x8192, got {args.shape!r}")
+    B, T = parse_shape("alternatives.py", args.shape, "64x8192")
     if B < 1 or T < 512 or T % 32 or args.repeats < 1:
         raise SystemExit("alternatives.py: --shape needs B >= 1 and T >= 512 a multiple of 32, "
                          "--repeats >= 1")

@@ -95,6 +95,15 @@ def loop_gae(rewards, values, action_mask, lam=0.95, gamma=1.0):
     return adv, adv + values
 
 
+def parse_shape(script, text, example="256x8192"):
+    """--shape "BxT" as (B, T), or SystemExit with one line naming the flag (the scripts here)."""
+    try:
+        B, T = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise SystemExit(f"{script}: --shape must be BxT, e.g. {example}, got {text!r}")
+    return B, T
+
+
 def sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize()

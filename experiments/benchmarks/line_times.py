@@ -23,7 +23,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import torch                                          # noqa: E402
 
 import mpo                                            # noqa: E402
-from bench_mpo import make_batch                      # noqa: E402
+from bench_mpo import make_batch, parse_shape         # noqa: E402
 
 
 def instrumented_rows(totals):
@@ -84,10 +84,7 @@ def main():
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--top", type=int, default=25, help="statements to print (largest first)")
     args = ap.parse_args()
-    try:
-        B, T = (int(x) for x in args.shape.lower().split("x"))
-    except ValueError:
-        raise SystemExit(f"line_times.py: --shape must be BxT, e.g. 256x8192, got {args.shape!r}")
+    B, T = parse_shape("line_times.py", args.shape)
     if B < 1 or T < 1 or args.calls < 1 or args.top < 1:
         raise SystemExit("line_times.py: --shape needs B, T >= 1, --calls and --top >= 1")
     call, per_line = line_times(B, T, args.calls)
