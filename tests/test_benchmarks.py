@@ -80,14 +80,16 @@ def test_line_times_instruments_every_statement_and_keeps_the_numbers():
 
     from experiments.benchmarks import line_times
     before = line_times.mpo._mpo_rows
-    call, per_line = line_times.line_times(4, 96, calls=2)
+    call, faults, per_line = line_times.line_times(4, 96, calls=2)
     fn = ast.parse(inspect.getsource(line_times.mpo._mpo_rows)).body[0]
     timed_statements = [st for st in fn.body[1:] if not isinstance(st, ast.Return)]
     assert len(per_line) == len(timed_statements)           # one entry per top-level statement
     assert any(k.startswith("delta_turn = _turn_sums(delta, bounds)") for k in per_line)
     assert any(k.startswith('if critic_target == "mae" or not K: adv_intra = _scan_padded')
                for k in per_line)
-    assert all(ms >= 0 for ms in per_line.values()) and 0 < sum(per_line.values()) < call
+    assert all(ms >= 0 and f >= 0 for ms, f in per_line.values())
+    assert 0 < sum(ms for ms, _ in per_line.values()) < call
+    assert 0 <= sum(f for _, f in per_line.values()) <= faults
     assert line_times.mpo._mpo_rows is before                  # restored afterwards
 
 
@@ -112,9 +114,10 @@ def test_line_times_command_prints_shares_and_refuses_a_bad_shape():
     ok = run("line_times.py", "--shape", "4x96", "--calls", "2", "--top", "3")
     assert ok.returncode == 0, ok.stderr
     lines = ok.stdout.splitlines()
-    assert re.fullmatch(r"4x96, \d+ threads, mean of 2 calls: [\d.]+ ms a call; _mpo_rows' "
-                        r"statements [\d.]+ ms, the rest -?[\d.]+ ms", lines[0]), lines[0]
-    assert len(lines) == 5 and all(re.match(r"\s+[\d.]+ ms\s+-?[\d.]+%  \S", x) for x in lines[1:])
+    assert re.fullmatch(r"4x96, \d+ threads, mean of 2 calls: [\d.]+ ms and \d+ page faults a "
+                        r"call; _mpo_rows' statements [\d.]+ ms, the rest -?[\d.]+ ms", lines[0]), lines[0]
+    assert len(lines) == 5 and all(re.match(r"\s+-?[\d.]+ ms\s+-?[\d.]+%\s+-?\d+ faults  \S", x)
+                                   for x in lines[1:]), lines
     bad = run("line_times.py", "--shape", "4x")
     assert bad.returncode != 0 and bad.stderr.strip().splitlines() == [
         "line_times.py: --shape must be BxT, e.g. 256x8192, got '4x'"]

@@ -4,11 +4,14 @@
     python experiments/benchmarks/line_times.py --shape 64x32768 --calls 10
 
 Each top-level statement of `_mpo_rows` (the fused body, run once per block of rows) is timed
-with time.perf_counter around it (CPU ops are synchronous, so the time is the op's); the
-statements of `mpo_advantages` outside the block loop are one line, "the rest" (whitening,
-allocation, the per-block call). Prints each statement's milliseconds per call and share of
-the call, largest first. The instrumented body computes the same numbers as mpo.py's (checked
-on every run). Timing adds ~1 µs a statement; machine noise is larger: compare shares, not runs.
+with time.perf_counter around it (CPU ops are synchronous, so the time is the op's), and its
+minor page faults counted (fresh memory touched: a statement that first writes a buffer glibc
+has just taken from the OS pays for every page of it, ~1.7 µs a page on this VM, which can
+double a call: docs/benchmarks.md). The statements of `mpo_advantages` outside the block loop
+are one line, "the rest" (whitening, allocation, the per-block call). Prints each statement's
+milliseconds and faults per call and share of the call, largest first. The instrumented body
+computes the same numbers as mpo.py's (checked on every run). Timing adds ~2 µs a statement;
+machine noise is larger: compare shares, not runs.
 """
 import argparse
 import ast
@@ -23,12 +26,13 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import torch                                          # noqa: E402
 
 import mpo                                            # noqa: E402
-from bench_mpo import make_batch, parse_shape         # noqa: E402
+from bench_mpo import make_batch, minor_faults, parse_shape  # noqa: E402
 
 
 def instrumented_rows(totals):
-    """A copy of mpo._mpo_rows whose top-level statements add their wall time to
-    totals[source line] (seconds). Compiled from mpo.py's own source, in mpo's namespace."""
+    """A copy of mpo._mpo_rows whose top-level statements add their wall time (seconds) and
+    minor page faults to totals[source line] (a [time, faults] pair). Compiled from mpo.py's
+    own source, in mpo's namespace."""
     src = inspect.getsource(mpo._mpo_rows)
     lines = src.splitlines()
     tree = ast.parse(src)
@@ -41,26 +45,32 @@ def instrumented_rows(totals):
         key = " ".join(lines[st.lineno - 1].split())  # the statement's first line, and for
         if isinstance(st, ast.If):                    # an if, its first branch's first line
             key += " " + " ".join(lines[st.body[0].lineno - 1].split())
-        start = ast.parse("_line_t0 = _line_clock()").body[0]
-        stop = ast.parse(f"_line_totals[{key!r}] += _line_clock() - _line_t0").body[0]
+        start = ast.parse("_line_f0, _line_t0 = _line_faults(), _line_clock()").body[0]
+        stop = ast.parse(f"_line_add({key!r}, _line_clock() - _line_t0, "
+                         f"_line_faults() - _line_f0)").body[0]
         body += [st] if isinstance(st, ast.Return) else [start, st, stop]
     fn.body = body
     ast.fix_missing_locations(tree)
-    namespace = dict(vars(mpo), _line_clock=time.perf_counter, _line_totals=totals)
+    def add(key, seconds, faults):
+        totals[key][0] += seconds
+        totals[key][1] += faults
+    namespace = dict(vars(mpo), _line_clock=time.perf_counter, _line_faults=minor_faults,
+                     _line_add=add)
     exec(compile(tree, inspect.getsourcefile(mpo), "exec"), namespace)
     return namespace["_mpo_rows"]
 
 
 def line_times(B, T, calls, seed=0):
-    """(ms per call of the whole fast path, {statement: ms per call}) over `calls` calls after
-    two warm-ups; raises if the instrumented body's outputs differ from mpo.py's."""
+    """(ms and minor page faults per call of the whole fast path, {statement: (ms, faults)
+    per call}) over `calls` calls after two warm-ups; raises if the instrumented body's
+    outputs differ from mpo.py's."""
     turn_ids, values, rewards = make_batch(B, T, "cpu", seed=seed)
     K = int(turn_ids.max()) + 1
 
     def fast():
         return mpo.mpo_advantages(rewards, values, turn_ids, num_turns=K, validate=False)
     want = fast()
-    totals = collections.defaultdict(float)
+    totals = collections.defaultdict(lambda: [0.0, 0])
     original = mpo._mpo_rows
     mpo._mpo_rows = instrumented_rows(totals)
     try:
@@ -69,13 +79,14 @@ def line_times(B, T, calls, seed=0):
             raise RuntimeError("line_times.py: the instrumented _mpo_rows computes other numbers")
         fast()
         totals.clear()
-        t0 = time.perf_counter()
+        f0, t0 = minor_faults(), time.perf_counter()
         for _ in range(calls):
             fast()
         call = (time.perf_counter() - t0) / calls * 1e3
+        faults = (minor_faults() - f0) / calls
     finally:
         mpo._mpo_rows = original
-    return call, {line: t / calls * 1e3 for line, t in totals.items()}
+    return call, faults, {line: (t / calls * 1e3, f / calls) for line, (t, f) in totals.items()}
 
 
 def main():
@@ -87,14 +98,16 @@ def main():
     B, T = parse_shape("line_times.py", args.shape)
     if B < 1 or T < 1 or args.calls < 1 or args.top < 1:
         raise SystemExit("line_times.py: --shape needs B, T >= 1, --calls and --top >= 1")
-    call, per_line = line_times(B, T, args.calls)
-    rows = sum(per_line.values())
+    call, faults, per_line = line_times(B, T, args.calls)
+    rows = sum(ms for ms, _ in per_line.values())
+    rows_faults = sum(f for _, f in per_line.values())
     print(f"{B}x{T}, {torch.get_num_threads()} threads, mean of {args.calls} calls: "
-          f"{call:.2f} ms a call; _mpo_rows' statements {rows:.2f} ms, the rest {call - rows:.2f} ms")
-    for line, ms in sorted(per_line.items(), key=lambda kv: -kv[1])[:args.top]:
-        print(f"{ms:8.3f} ms {100 * ms / call:5.1f}%  {line[:90]}")
-    print(f"{call - rows:8.3f} ms {100 * (call - rows) / call:5.1f}%  the rest (whitening, "
-          f"allocation, the per-block call)")
+          f"{call:.2f} ms and {faults:.0f} page faults a call; _mpo_rows' statements "
+          f"{rows:.2f} ms, the rest {call - rows:.2f} ms")
+    for line, (ms, f) in sorted(per_line.items(), key=lambda kv: -kv[1][0])[:args.top]:
+        print(f"{ms:8.3f} ms {100 * ms / call:5.1f}% {f:7.0f} faults  {line[:90]}")
+    print(f"{call - rows:8.3f} ms {100 * (call - rows) / call:5.1f}% {faults - rows_faults:7.0f} "
+          f"faults  the rest (whitening, allocation, the per-block call)")
 
 
 if __name__ == "__main__":
