@@ -80,7 +80,7 @@ def test_line_times_instruments_every_statement_and_keeps_the_numbers():
 
     from experiments.benchmarks import line_times
     before = line_times.mpo._mpo_rows
-    call, faults, per_line = line_times.line_times(4, 96, calls=2)
+    call, faults, per_line, plain = line_times.line_times(4, 96, calls=2)
     fn = ast.parse(inspect.getsource(line_times.mpo._mpo_rows)).body[0]
     timed_statements = [st for st in fn.body[1:] if not isinstance(st, ast.Return)]
     assert len(per_line) == len(timed_statements)           # one entry per top-level statement
@@ -90,6 +90,7 @@ def test_line_times_instruments_every_statement_and_keeps_the_numbers():
     assert all(ms >= 0 and f >= 0 for ms, f in per_line.values())
     assert 0 < sum(ms for ms, _ in per_line.values()) < call
     assert 0 <= sum(f for _, f in per_line.values()) <= faults
+    assert plain > 0
     assert line_times.mpo._mpo_rows is before                  # restored afterwards
 
 
@@ -115,7 +116,7 @@ def test_line_times_command_prints_shares_and_refuses_a_bad_shape():
     assert ok.returncode == 0, ok.stderr
     lines = ok.stdout.splitlines()
     assert re.fullmatch(r"4x96, \d+ threads, mean of 2 calls: [\d.]+ ms and \d+ page faults a "
-                        r"call; _mpo_rows' statements [\d.]+ ms, the rest -?[\d.]+ ms", lines[0]), lines[0]
+                        r"call \([\d.]+ ms uninstrumented\); _mpo_rows' statements [\d.]+ ms, the rest -?[\d.]+ ms", lines[0]), lines[0]
     assert len(lines) == 5 and all(re.match(r"\s+-?[\d.]+ ms\s+-?[\d.]+%\s+-?\d+ faults  \S", x)
                                    for x in lines[1:]), lines
     bad = run("line_times.py", "--shape", "4x")
