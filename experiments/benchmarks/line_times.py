@@ -52,6 +52,7 @@ def instrumented_rows(totals):
         body += [st] if isinstance(st, ast.Return) else [start, st, stop]
     fn.body = body
     ast.fix_missing_locations(tree)
+
     def add(key, seconds, faults):
         totals[key][0] += seconds
         totals[key][1] += faults
