@@ -685,6 +685,26 @@ def _turn_sums(x: torch.Tensor, bounds: torch.Tensor, chunk: int = 64) -> torch.
     return (upto[:, 1::2] - upto[:, 0::2]).to(x.dtype)                     # (B, K)
 
 
+def _turn_bounds(act: torch.Tensor, inside: torch.Tensor, K: int) -> torch.Tensor:
+    """Each turn's first and past-the-last position, side by side (B, 2K), from 0/1 uint8
+    masks act (an action token) and inside (p + 1 is in p's turn): T for a turn the row lacks.
+
+    key = (turns begun so far) − act / 2 is k + 1/2 on turn k's tokens and k + 1 between turn k
+    and turn k + 1: non-decreasing, so a binary search for k + 1/2 finds turn k's first token
+    and one for k + 1 the position after its last. Counted in floating point (a float cumsum
+    runs on both threads, an int one does not), exact (halves included) while below 2^23
+    (float32), far above any T in float64.
+    """
+    B, T = act.shape
+    kdtype = torch.float32 if T < 2**22 else torch.float64
+    first = torch.empty_like(act)                                              # (B, T) 1 at a turn's
+    first[:, 0] = act[:, 0]                                                    # first token, else 0
+    torch.sub(act[:, 1:], inside[:, :-1], out=first[:, 1:])
+    key = torch.cumsum(first, dim=1, dtype=kdtype).sub_(act, alpha=0.5)        # (B, T)
+    query = torch.arange(1, 2 * K + 1, dtype=kdtype, device=act.device).div_(2).expand(B, 2 * K)
+    return torch.searchsorted(key, query.contiguous())                        # (B, 2K)
+
+
 SMALL_K = 256                      # up to this many turn columns `_mpo_rows` runs (M3) as a matmul
 
 
@@ -733,19 +753,8 @@ def _mpo_rows(rewards, values, turn_ids, lam, lam_intra, beta, K, span, read_spa
     flat_in[:-1] &= flat_act[:-1]
     flat_in[:-1] &= flat_act[1:]
     inside[:, -1] = False                          # the flat compare paired it with the next row
-    # 1. Turn bounds. key = (turns begun so far) − act / 2 is k + 1/2 on turn k's tokens and k + 1
-    #    between turn k and turn k + 1: non-decreasing, so a binary search for k + 1/2 finds turn
-    #    k's first token and one for k + 1 the position after its last (T for a turn the row lacks).
-    #    Counted in floating point (a float cumsum runs on both threads, an int one does not),
-    #    exact (halves included) while below 2^23 (float32), far above any T in float64.
-    kdtype = torch.float32 if T < 2**22 else torch.float64
-    act_u8 = act.view(torch.uint8)
-    first = torch.empty_like(act_u8)                                           # (B, T) 1 at a turn's
-    first[:, 0] = act_u8[:, 0]                                                 # first token, else 0
-    torch.sub(act_u8[:, 1:], inside.view(torch.uint8)[:, :-1], out=first[:, 1:])
-    key = torch.cumsum(first, dim=1, dtype=kdtype).sub_(act_u8, alpha=0.5)
-    query = torch.arange(1, 2 * K + 1, dtype=kdtype, device=dev).div_(2).expand(B, 2 * K)
-    bounds = torch.searchsorted(key, query.contiguous())                      # (B, 2K)
+    # 1. Turn bounds (B, 2K): each turn's first and past-the-last position
+    bounds = _turn_bounds(act.view(torch.uint8), inside.view(torch.uint8), K)  # (B, 2K)
     start, end = bounds[:, 0::2], bounds[:, 1::2]                              # (B, K)
     length = end - start                                                       # (B, K) L_t, 0 if none
     has_turn = length > 0

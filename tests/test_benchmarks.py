@@ -136,14 +136,10 @@ def test_alternatives_give_mpos_numbers_and_a_wrong_one_is_refused(monkeypatch):
     out = torch.empty_like(nan_junk)
     mask32 = torch.empty(nan_junk.shape, dtype=torch.int32)
     assert torch.equal(alt.masked_bits(nan_junk, d["act_u8"], mask32, out), masked)
-    monkeypatch.setattr(alt, "chunked_sums", lambda x, bounds, c=32: mpo_turn_sums(x, bounds) + 1e-3)
+    monkeypatch.setattr(alt, "chunked_sums",
+                        lambda x, bounds, c=32: alt.mpo._turn_sums(x, bounds) + 1e-3)
     with pytest.raises(RuntimeError, match="sums chunked differs from mpo.py"):
         alt.contenders(d)
-
-
-def mpo_turn_sums(x, bounds):
-    from experiments.benchmarks import alternatives as alt
-    return alt.mpo._turn_sums(x, bounds)
 
 
 def test_alternatives_command_prints_each_group_and_refuses_a_bad_shape():

@@ -17,8 +17,8 @@ bench_mpo.compare (interleaved, shuffled, medians). Printed: ms, and alternative
             window times a triangular matrix.
   mask      V with junk off the turns set to 0. mpo.py: torch.where. bits: the float's bits and
             an all-ones / all-zeros int mask (exact for NaN junk too).
-  bounds    each turn's first and past-the-last position. mpo.py: a float cumsum key and
-            searchsorted. nonzero: the positions where turns begin and end, by torch.nonzero.
+  bounds    each turn's first and past-the-last position. mpo.py: `_turn_bounds`, a float
+            cumsum key and searchsorted. nonzero: the positions where turns begin and end, by torch.nonzero.
 """
 import argparse
 import functools
@@ -94,17 +94,12 @@ def masked_bits(values, act_u8, mask32, out):
     return torch.bitwise_and(values.view(torch.int32), mask32, out=out.view(torch.int32)).view(out.dtype)
 
 
-def mpo_bounds(first, act_u8, K):
-    """`_mpo_rows`' turn bounds: (B, 2K) each turn's (first, past-the-last) position."""
-    B = first.shape[0]
-    key = torch.cumsum(first, dim=1, dtype=torch.float32).sub_(act_u8, alpha=0.5)
-    query = torch.arange(1, 2 * K + 1, dtype=torch.float32).div_(2).expand(B, 2 * K)
-    return torch.searchsorted(key, query.contiguous())
-
-
-def nonzero_bounds(first, last, K):
-    """The same bounds from torch.nonzero of the first and last tokens' markers."""
-    B, T = first.shape
+def nonzero_bounds(act_u8, inside_u8, K):
+    """`mpo._turn_bounds` from torch.nonzero of the first and last tokens' markers."""
+    B, T = act_u8.shape
+    first = act_u8.clone()
+    first[:, 1:] -= inside_u8[:, :-1]                                            # 1 at a turn's first
+    last = act_u8 - inside_u8                                                    # and last token
     out = torch.full((B, 2 * K), T, dtype=torch.long)
     for col, marker, shift in ((0, first, 0), (1, last, 1)):
         rows, pos = torch.nonzero(marker, as_tuple=True)                         # row-major order
@@ -122,14 +117,10 @@ def block(B, T):
     inside = act.clone()
     inside[:, :-1] &= act[:, 1:] & (turn_ids[:, 1:] == turn_ids[:, :-1])
     inside[:, -1] = False
-    act_u8, in_u8 = act.view(torch.uint8), inside.view(torch.uint8)
-    first = act_u8.clone()
-    first[:, 1:] -= in_u8[:, :-1]
-    last = act_u8 - in_u8
     span = int(mpo._per_turn_sum(act.long(), turn_ids, K).max())
-    return dict(turn_ids=turn_ids, values=values, K=K, act=act, act_u8=act_u8, first=first,
-                last=last, decay=(inside.float() * 0.95).view(-1), delta=torch.randn(B * T),
-                span=span)
+    return dict(turn_ids=turn_ids, values=values, K=K, act=act, act_u8=act.view(torch.uint8),
+                in_u8=inside.view(torch.uint8), decay=(inside.float() * 0.95).view(-1),
+                delta=torch.randn(B * T), span=span)
 
 
 def contenders(d):
@@ -142,7 +133,7 @@ def contenders(d):
     def mpo_scan():                                   # the copies: _scan_padded overwrites
         x_buf.copy_(x_pad), a_buf.copy_(a_pad)        # its inputs (as in _mpo_rows, where
         return mpo._scan_padded(x_buf, a_buf, N, span)   # they are fresh temporaries)
-    bounds = mpo_bounds(d["first"], d["act_u8"], d["K"])
+    bounds = mpo._turn_bounds(d["act_u8"], d["in_u8"], d["K"])
     delta = d["delta"].view(d["values"].shape)
     out, mask32 = torch.empty_like(d["values"]), torch.empty(d["values"].shape, dtype=torch.int32)
     zero = torch.zeros(())
@@ -157,8 +148,8 @@ def contenders(d):
                  "chunked": lambda: chunked_sums(delta, bounds)},
         "mask": {"mpo.py": lambda: torch.where(d["act"], d["values"], zero, out=out),
                  "bits": lambda: masked_bits(d["values"], d["act_u8"], mask32, out)},
-        "bounds": {"mpo.py": lambda: mpo_bounds(d["first"], d["act_u8"], d["K"]),
-                   "nonzero": lambda: nonzero_bounds(d["first"], d["last"], d["K"])},
+        "bounds": {"mpo.py": lambda: mpo._turn_bounds(d["act_u8"], d["in_u8"], d["K"]),
+                   "nonzero": lambda: nonzero_bounds(d["act_u8"], d["in_u8"], d["K"])},
     }
     for group, fns in groups.items():                 # same numbers first (not the loop-only
         want = fns["mpo.py"]().clone()                # timings, which skip the second level)
