@@ -32,8 +32,11 @@ padding). Turns are contiguous and numbered 0, 1, 2, ... in order. `values[b, p]
 value of the prefix *before* token p; `rewards[b, p]` the reward right after emitting it.
 
 Precision: float64 inputs compute in float64; float32 / bfloat16 / float16 inputs compute and
-return float32. Validation (on by default, `validate=False` for hot loops) is the only place that
-reads tensors back to the host; with it off, nothing here synchronises with the device.
+return float32. Validation (on by default, `validate=False` for hot loops) reads tensors back to
+the host; with it off and `num_turns` given, `mpo_advantages` never synchronises with the device.
+
+One path: `mpo_advantages` is the composition of the equation functions above it, and
+`policy_loss` is built on `turn_ratio`; there is no second, fused copy of any equation.
 
 Usage:
     turn_ids = turn_ids_from_mask(action_mask)                 # (B, T)
@@ -43,7 +46,6 @@ Usage:
 """
 from __future__ import annotations
 
-import functools
 import math
 import numbers
 
@@ -51,165 +53,78 @@ import torch
 import torch.nn.functional as F
 
 RATIO_LEVELS = ("turn", "token", "sequence")
-
-
-# ---------------------------------------------------------------------------------------------
-# Blocks of rows. On the CPU the long computations below (validation, mpo_advantages) run on
-# blocks of rows of about CPU_BLOCK positions: a block's temporaries stay in the cache and in
-# memory the allocator already holds, where a fresh (B, T) temporary streams from DRAM and costs
-# a page fault per 4 KiB (docs/benchmarks.md). On other devices one block is the whole batch.
-# ---------------------------------------------------------------------------------------------
-
-CPU_BLOCK = 2**19                                  # positions per block: 2 MiB of float32
-
-
-def _on_cpu(x: torch.Tensor) -> bool:
-    """Whether x lives on the CPU, where blocks pay off and reading a number back costs no sync."""
-    return x.device.type == "cpu"
-
-
-def _row_blocks(x: torch.Tensor) -> list[slice]:
-    """Slices of x's rows (dim 0) into blocks of about CPU_BLOCK elements on the CPU, else one."""
-    if x.dim() < 2 or not _on_cpu(x) or x.shape[0] == 0:
-        return [slice(None)]
-    rows = max(1, CPU_BLOCK // max(x[0].numel(), 1))
-    return [slice(r, r + rows) for r in range(0, x.shape[0], rows)]
-
-
-def _turn_columns(turn_ids: torch.Tensor, ids: torch.Tensor | None = None) -> int:
-    """How many turn columns a per-turn tensor of these rows needs: the most turns of a row
-    (1 + the largest id in `ids`, default turn_ids itself, e.g. each row's last turn) read back
-    on the CPU, where that costs no sync; T elsewhere, an upper bound that needs no sync."""
-    ids = turn_ids if ids is None else ids
-    if not _on_cpu(turn_ids) or ids.numel() == 0:
-        return turn_ids.shape[1]
-    return max(int(ids.max()), -1) + 1
+CRITIC_TARGETS = ("mae", "lambda_return")
+# GSPO's clip range of the sequence ratio (Zheng et al., 2025, the GSPO paper's experiments:
+# 3e-4 below, 4e-4 above); ε = 0.2 on a length-normalised ratio would be about 500x wider.
+GSPO_CLIP = (3e-4, 4e-4)
 
 
 # ---------------------------------------------------------------------------------------------
 # Input validation: every public function checks its arguments unless validate=False.
-# These checks read values back to the host (one sync per block); they never change a number.
+# The checks read values back to the host; they never change a number.
 # ---------------------------------------------------------------------------------------------
 
-def _check_tensor(name: str, x, ref: torch.Tensor | None = None, dims: int = 2,
-                  ref_name: str = "turn_ids") -> None:
+def _check_tensor(name, x, ref=None, dims=2, ref_name="turn_ids") -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if x.dim() != dims:
         raise ValueError(f"{name} must have {dims} dimensions, got shape {tuple(x.shape)}")
     if ref is not None and x.shape != ref.shape:
-        raise ValueError(f"{name} has shape {tuple(x.shape)} but {ref_name} has shape {tuple(ref.shape)}")
+        raise ValueError(f"{name} has shape {tuple(x.shape)} but {ref_name} has shape "
+                         f"{tuple(ref.shape)}")
     if ref is not None and x.device != ref.device:
         raise ValueError(f"{name} is on {x.device} but {ref_name} is on {ref.device}")
 
 
-_NOT_DIFFERENTIABLE = "{} computes targets in place (advantages, returns), not a differentiable expression"
-
-
-def _refuse_grad(why: str, **tensors) -> None:
-    """ValueError for a tensor argument that requires grad (checked with validate=False too:
-    it costs no read); `why` says what the function differentiates, if anything."""
-    for name, x in tensors.items():
-        if isinstance(x, torch.Tensor) and x.requires_grad:
-            raise ValueError(f"{name} requires grad, but {why}; pass {name}.detach()")
-
-
-def _any(mask: torch.Tensor) -> bool:
-    """bool(mask.any()) for a bool tensor, read as bytes (torch's bool any() is ~10x slower on CPU)."""
-    return mask.numel() > 0 and bool(mask.view(torch.uint8).amax())
-
-
-def _check_float(name: str, x: torch.Tensor, mask=None) -> None:
-    """x is floating point and finite where mask is (a (B, T) bool tensor, a list of the masks
-    of x's `_row_blocks`, or None: everywhere)."""
+def _check_float(name: str, x: torch.Tensor, mask: torch.Tensor | None = None) -> None:
+    """x is floating point and finite where mask is True (everywhere if mask is None)."""
     if not x.is_floating_point():
         raise TypeError(f"{name} must be a floating-point tensor, got {x.dtype}")
-    zero = torch.zeros((), dtype=x.dtype, device=x.device)
-    for i, rs in enumerate(_row_blocks(x)):
-        # A sum is finite iff every term is (a NaN or an inf makes it NaN or inf), unless finite
-        # terms overflow; so one plain sum clears most blocks. Else mask (junk off the turns is
-        # allowed), and y − y is 0 where y is finite and NaN where not: one sum finds a NaN or
-        # inf without overflow; then count them.
-        if x[rs].numel() == 0 or bool(torch.isfinite(x[rs].sum())):
-            continue
-        m = None if mask is None else mask[i] if isinstance(mask, list) else mask[rs]
-        y = x[rs].clone() if m is None else torch.where(m, x[rs], zero)
-        if not bool(torch.isfinite(y.sub_(y).sum())):
-            bad = ~torch.isfinite(x)
-            if mask is not None:
-                bad &= torch.cat(mask) if isinstance(mask, list) else mask
-            raise ValueError(f"{name} holds NaN or inf at {int(bad.sum())} action position(s)")
-
-
-def _turn_runs(row: list[int]) -> list[int]:
-    """The ids of a row's runs of equal non-negative ids, in order (for error messages)."""
-    return [k for p, k in enumerate(row) if k >= 0 and (p == 0 or row[p - 1] != k)]
-
-
-def _check_turn_layout(turn_ids: torch.Tensor, first_row: int) -> tuple[int, torch.Tensor]:
-    """_check_turn_ids on a block of rows (row numbers in messages count from first_row);
-    returns K of the block and its action mask (turn_ids >= 0)."""
-    lowest, highest = (int(x) for x in torch.aminmax(turn_ids))
-    if lowest < -1:
-        raise ValueError("turn_ids holds values below -1; use -1 for non-action positions")
-    # A run of equal ids starts where the id differs from the previous position's. The layout is
-    # valid iff the runs of each row are numbered 0, 1, 2, ...: then a turn split by -1 (two
-    # runs, one id), a gap or a wrong order all show up as a run whose id is not its rank.
-    shifted = turn_ids + 1                                                     # (B, T) 0 off turns
-    act = shifted.bool()
-    starts = act.clone()                                                       # (B, T) a run's first
-    if highest <= 254:
-        # Compared in bytes (~10x faster than int64): low = id + 1 and the run count mod 256.
-        # Exact here: ids −1..254 have distinct low bytes 0..255, so the runs found are the
-        # runs; and congruent run counts and ids + 1 are equal until a 256th run, which no
-        # id + 1 in [1, 255] matches.
-        low = shifted.to(torch.uint8)
-        starts[:, 1:] &= low[:, 1:] != low[:, :-1]
-        runs = torch.cumsum(starts.view(torch.uint8), dim=1, dtype=torch.uint8)   # rank + 1, mod 256
-        bad = torch.ne(low, runs).logical_and_(act)
-    else:
-        starts[:, 1:] &= turn_ids[:, 1:] != turn_ids[:, :-1]
-        rank = torch.cumsum(starts, dim=1, dtype=torch.int32).sub_(1)          # (B, T) run number
-        bad = torch.ne(turn_ids, rank).logical_and_(act)
-    if _any(bad):
-        b = int(bad.any(dim=1).nonzero()[0])       # the first bad row: say what is wrong with it
-        ids = _turn_runs(turn_ids[b].tolist())
-        if len(set(ids)) < len(ids):
-            raise ValueError("turn_ids: a turn is split by non-turn tokens (-1); turns must be "
-                             f"contiguous (row {first_row + b} has runs numbered {ids[:8]})")
-        raise ValueError("turn_ids: turns must appear in order 0, 1, 2, ... in each row, without "
-                         f"gaps (row {first_row + b} has runs numbered {ids[:8]})")
-    return max(highest, -1) + 1, act
+    bad = ~torch.isfinite(x) if mask is None else ~torch.isfinite(x) & mask
+    if bool(bad.any()):
+        raise ValueError(f"{name} holds NaN or inf at {int(bad.sum())} action position(s)")
 
 
 def _check_turn_ids(turn_ids) -> int:
-    """Check the turn layout and return K, the most turns of any row (0 if there is none)."""
-    return _check_turn_blocks(turn_ids)[0]
-
-
-def _check_turn_blocks(turn_ids) -> tuple[int, list[torch.Tensor]]:
-    """_check_turn_ids, also returning the action mask of each of turn_ids' `_row_blocks`."""
+    """Check the turn layout (contiguous turns numbered 0, 1, 2, ... in each row) and return K,
+    the most turns of any row (0 if there is none)."""
     _check_tensor("turn_ids", turn_ids)
     if turn_ids.dtype.is_floating_point or turn_ids.dtype == torch.bool or turn_ids.is_complex():
         raise TypeError(f"turn_ids must be an integer tensor (int64), got {turn_ids.dtype}")
-    B, T = turn_ids.shape
-    if B == 0 or T == 0:                           # an empty batch: valid, no turn
-        return 0, [turn_ids[rs] >= 0 for rs in _row_blocks(turn_ids)]
-    checked = [_check_turn_layout(turn_ids[rs], rs.start or 0) for rs in _row_blocks(turn_ids)]
-    return max(k for k, _ in checked), [act for _, act in checked]
+    if turn_ids.numel() == 0:
+        return 0
+    ids = turn_ids.long()
+    if bool((ids < -1).any()):
+        raise ValueError("turn_ids holds values below -1; use -1 for non-action positions")
+    # A run of equal ids starts where the id differs from the previous position's. The layout is
+    # valid iff every run's id is its rank among the row's runs: a turn split by -1 (two runs,
+    # one id), a gap and a wrong order all show up as a run whose id is not its rank.
+    act = ids >= 0
+    starts = act & (ids != F.pad(ids[:, :-1], (1, 0), value=-1))             # (B, T)
+    rank = torch.cumsum(starts, dim=1) - 1                                    # (B, T) run number
+    bad = act & (ids != rank)
+    if bool(bad.any()):
+        b = int(bad.any(dim=1).nonzero()[0])          # the first bad row: say what is wrong
+        runs = ids[b][starts[b]].tolist()
+        if len(set(runs)) < len(runs):
+            raise ValueError("turn_ids: a turn is split by non-turn tokens (-1); turns must be "
+                             f"contiguous (row {b} has runs numbered {runs[:8]})")
+        raise ValueError("turn_ids: turns must appear in order 0, 1, 2, ... in each row, without "
+                         f"gaps (row {b} has runs numbered {runs[:8]})")
+    return int(ids.max().clamp(min=-1)) + 1
 
 
 def _check_number(name: str, x, ok, what: str) -> float:
-    """x as a Python float: a Python, numpy or one-element 0-dim torch real number (not a bool)."""
+    """x as a Python float: a Python, numpy or 0-dim torch real number (not a bool)."""
     if isinstance(x, torch.Tensor):
         if x.dim() != 0 or x.dtype == torch.bool or x.is_complex():
             raise TypeError(f"{name} must be a real number or a 0-dim real tensor, got a "
                             f"{x.dtype} tensor of shape {tuple(x.shape)}")
-        x = x.item()                               # one host read; validation only
+        x = x.item()
     elif isinstance(x, bool) or not isinstance(x, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {type(x).__name__}")
     x = float(x)
-    if not ok(x):                                  # NaN fails every comparison
+    if not ok(x):                                      # NaN fails every comparison
         raise ValueError(f"{name} must be {what}, got {x!r}")
     return x
 
@@ -218,17 +133,12 @@ def _check_unit(name: str, x) -> float:
     return _check_number(name, x, lambda v: 0.0 <= v <= 1.0, "a number in [0, 1]")
 
 
-def _check_beta(beta) -> float:
-    return _check_number("beta", beta, lambda v: 0.0 <= v < math.inf, "a finite number >= 0")
-
-
-def _check_max_log_ratio(max_log_ratio) -> float:
-    return _check_number("max_log_ratio", max_log_ratio, lambda v: 0.0 < v < math.inf,
-                         "a finite number > 0 (the clamp of a log-ratio before exp)")
+def _check_positive(name: str, x, what: str = "> 0") -> float:
+    return _check_number(name, x, lambda v: 0 < v < math.inf, what)
 
 
 def _check_num_tokens(num_tokens, act: torch.Tensor) -> None:
-    """num_tokens: None, or a whole number >= 1 and >= this batch's own action-token count."""
+    """num_tokens: a whole number >= 1 and >= this batch's own action-token count."""
     what = "a whole number >= 1: the action-token count of the full batch (None: this batch's)"
     if isinstance(num_tokens, torch.Tensor):
         if num_tokens.numel() != 1 or num_tokens.is_complex() or num_tokens.dtype == torch.bool:
@@ -244,24 +154,31 @@ def _check_num_tokens(num_tokens, act: torch.Tensor) -> None:
                          "action tokens; pass the count of the whole (accumulated) batch")
 
 
+def _refuse_grad(why: str, **tensors) -> None:
+    """ValueError for a tensor argument that requires grad (checked with validate=False too)."""
+    for name, x in tensors.items():
+        if isinstance(x, torch.Tensor) and x.requires_grad:
+            raise ValueError(f"{name} requires grad, but {why}; pass {name}.detach()")
+
+
+_TARGETS = "{} computes targets (advantages, returns), not a differentiable expression"
+
+
 def _validate_rewards_values(rewards, values, turn_ids) -> int:
     """Check (rewards, values, turn_ids) of the advantage functions; return K."""
-    K, acts = _check_turn_blocks(turn_ids)
+    K = _check_turn_ids(turn_ids)
     _check_tensor("rewards", rewards, turn_ids)
     _check_tensor("values", values, turn_ids)
-    _check_float("rewards", rewards, acts)
-    _check_float("values", values, acts)
-    for rs, act in zip(_row_blocks(turn_ids), acts):
-        # |r| summed off the turns is 0 iff every such reward is 0 (a NaN there makes it NaN)
-        off = (~act).view(torch.uint8).to(rewards.dtype)
-        if bool(rewards[rs].abs().mul_(off).sum() != 0):
-            raise ValueError("rewards must be 0 off action positions (turn_ids == -1); "
-                             "put a reward on the action token that earned it")
+    act = turn_ids >= 0
+    _check_float("rewards", rewards, act)
+    _check_float("values", values, act)
+    if bool(((rewards != 0) & ~act).any()):
+        raise ValueError("rewards must be 0 off action positions (turn_ids == -1); "
+                         "put a reward on the action token that earned it")
     return K
 
 
 def _validate_logps(logp, old_logp, turn_ids) -> None:
-    """Check (logp, old_logp, turn_ids) of the ratio and loss functions."""
     _check_turn_ids(turn_ids)
     _check_tensor("logp", logp, turn_ids)
     _check_tensor("old_logp", old_logp, turn_ids)
@@ -269,116 +186,81 @@ def _validate_logps(logp, old_logp, turn_ids) -> None:
     _check_float("old_logp", old_logp, turn_ids >= 0)
 
 
+def _check_adv_turn(adv_turn, turn_ids, K: int) -> None:
+    _check_tensor("adv_turn", adv_turn)
+    if adv_turn.shape[0] != turn_ids.shape[0] or adv_turn.shape[1] < K:
+        raise ValueError(f"adv_turn must have shape ({turn_ids.shape[0]}, >= {K}), "
+                         f"got {tuple(adv_turn.shape)}")
+
+
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
+def _as_float(x) -> float:
+    """A coefficient as a Python float without validation (numpy and 0-dim tensors too)."""
+    return x if isinstance(x, (int, float)) else float(x)
+
+
 # ---------------------------------------------------------------------------------------------
-# The one loop primitive: a reverse linear recurrence solved in log2(T) vectorised steps.
+# The one loop primitive, and moving numbers between tokens and turns
 # ---------------------------------------------------------------------------------------------
-
-def _reverse_scan(b: torch.Tensor, a: torch.Tensor, scratch: bool):
-    """reverse_scan; with scratch=True it may overwrite b and a (the caller's temporaries).
-
-    b may have more leading dimensions than a (several recurrences with the same decays, e.g.
-    (2, B, T) with a (B, T)): the decays' products are then formed once for all of them.
-
-    Each step writes into a second buffer (x_i + a_i x_{i+d} reads x_{i+d}, which the step also
-    updates), so the products are formed straight into their destination, without temporaries.
-    """
-    n, d = b.shape[-1], 1
-    if n <= 1:
-        return b if scratch else b.clone()
-    x_in, a_in = b.contiguous(), a.contiguous()
-    x_out, a_out = torch.empty_like(x_in), torch.empty_like(a_in)
-    while d < n:
-        torch.addcmul(x_in[..., :-d], a_in[..., :-d], x_in[..., d:], out=x_out[..., :-d])
-        x_out[..., -d:] = x_in[..., -d:]                # complete: their sums reach the end
-        reuse = scratch or d > 1                        # b and a are the caller's unless scratch
-        if 2 * d < n:                                   # a_i = a_i...a_{i+2d-1}; for i >= n - d
-            torch.mul(a_in[..., :-d], a_in[..., d:], out=a_out[..., :-d])   # the window passes the
-            a_in, a_out = a_out, a_in if reuse else torch.empty_like(a_in)  # end: never read again
-        x_in, x_out = x_out, x_in if reuse else torch.empty_like(x_in)
-        d *= 2
-    return x_in
-
-
-def _padded_buffer(shape, n: int, pad: int, dtype, device) -> torch.Tensor:
-    """An empty (*shape, n + pad) buffer whose last `pad` entries are 0, for `_scan_padded`."""
-    buf = torch.empty(*shape, n + pad, dtype=dtype, device=device)
-    buf[..., n:] = 0
-    return buf
-
-
-def _scan_padded(x_in: torch.Tensor, a_in: torch.Tensor, n: int, span: int) -> torch.Tensor:
-    """`_reverse_scan` of the first n entries of buffers made by `_padded_buffer` with
-    pad >= span: x_in (..., n + pad), a_in (n + pad) or x_in's shape. span (<= n): an upper
-    bound on the length of the segments a cuts (runs of non-zero decays, plus one):
-    ⌈log2 span⌉ doubling steps then reach every segment's end, instead of ⌈log2 n⌉.
-
-    Past n both are 0, so each doubling step is one full-length multiply-add (x_i + a_i · 0 at
-    the end: the sums that are complete stay as they are) and one multiply, with no copy of the
-    completed tail and no new slices of the buffers' first n entries. Overwrites both; returns
-    a view (..., n) of one of them. The fused body's scans run here (`_mpo_rows`).
-    """
-    def pair(buf):                                      # a buffer and its first n entries
-        return buf, buf[..., :n]
-    x_out = _padded_buffer(x_in.shape[:-1], n, x_in.shape[-1] - n, x_in.dtype, x_in.device)
-    a_out = _padded_buffer(a_in.shape[:-1], n, a_in.shape[-1] - n, a_in.dtype, a_in.device)
-    (x, x_head), (x2, x2_head) = pair(x_in), pair(x_out)
-    (a, a_head), (a2, a2_head) = pair(a_in), pair(a_out)
-    d = 1
-    while d < span:
-        torch.addcmul(x_head, a_head, x[..., d:n + d], out=x2_head)   # x_i + a_i x_{i+d}
-        if 2 * d < span:                                # a_i = a_i...a_{i+2d-1} (0 past the end)
-            torch.mul(a_head, a[..., d:n + d], out=a2_head)
-            (a, a_head), (a2, a2_head) = (a2, a2_head), (a, a_head)
-        (x, x_head), (x2, x2_head) = (x2, x2_head), (x, x_head)
-        d *= 2
-    return x_head
-
 
 def reverse_scan(b: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
     """Solve x_i = b_i + a_i * x_{i+1} (x past the end = 0) along the last dimension.
 
     Every GAE in this file is this recurrence: `b` is the residual and `a` the decay linking
-    position i to i + 1 (λ inside a segment, 0 where a segment ends, 1 to pass through a skipped
-    position). Solved by recursive doubling (Hillis & Steele, 1986): after the step with offset d,
-    x_i holds the sum over the next 2d positions and a_i the product of their decays, so
-    ceil(log2 T) vectorised steps replace a Python loop over T positions. No division, so it is
-    as exact as the loop (rounding aside) for any decay, λ = 0 included.
+    position i to i + 1 (λ inside a segment, 0 where a segment ends, 1 to pass a skipped
+    position). Solved by recursive doubling (Hillis & Steele, 1986) in ceil(log2 n) vectorised
+    steps instead of a Python loop over n positions, with no host synchronisation.
+
+    Why it is exact: after the step with offset d, x_i = Σ_{j<2d} (a_i···a_{i+j−1}) b_{i+j} and
+    a_i = a_i···a_{i+2d−1} (windows cut at the end). The step x_i ← x_i + a_i x_{i+d} joins two
+    adjacent windows, the same terms the loop adds, only grouped differently; no division, so
+    any decay (λ = 0 included) is fine. Once 2d >= n every window reaches the end.
 
     Example: b = [1, 1, 1], a = [0.5, 0.5, 0.5] -> x = [1.75, 1.5, 1.0].
     """
-    return _reverse_scan(b, a, scratch=False)
+    x, a = b.clone(), a.expand_as(b).clone()
+    n, d = b.shape[-1], 1
+    while d < n:
+        x[..., :-d] = x[..., :-d] + a[..., :-d] * x[..., d:]   # the right side reads the old x
+        a[..., :-d] = a[..., :-d] * a[..., d:]
+        d *= 2
+    return x
 
 
-
+def _num_turns(turn_ids: torch.Tensor) -> int:
+    """K, the most turns of any row (one host read)."""
+    return int(turn_ids.max().clamp(min=-1)) + 1 if turn_ids.numel() else 0
 
 
 def _per_turn_sum(x: torch.Tensor, turn_ids: torch.Tensor, num_turns: int) -> torch.Tensor:
-    """Sum x over the tokens of each turn: (B, T) -> (B, num_turns). Non-turn positions dropped."""
-    B = x.shape[0]
-    idx = torch.where(turn_ids >= 0, turn_ids, num_turns)                      # -1 -> spare column
-    out = torch.zeros(B, num_turns + 1, dtype=x.dtype, device=x.device)
-    return out.scatter_add_(1, idx, x)[:, :num_turns]                          # (B, K)
+    """Σ of x over the tokens of each turn: (B, T) -> (B, K). Non-turn positions dropped."""
+    idx = torch.where(turn_ids >= 0, turn_ids, num_turns)                    # -1 -> spare column
+    out = torch.zeros(x.shape[0], num_turns + 1, dtype=x.dtype, device=x.device)
+    return out.scatter_add_(1, idx, x)[:, :num_turns]                        # (B, K)
 
 
 def _gather_turn(x_turn: torch.Tensor, turn_ids: torch.Tensor) -> torch.Tensor:
     """Broadcast a per-turn tensor (B, K) to the tokens of each turn (B, T); 0 off turns."""
-    K = x_turn.shape[1]
-    idx = torch.where(turn_ids >= 0, turn_ids, K)                              # -1 -> spare column
-    return torch.gather(F.pad(x_turn, (0, 1)), 1, idx)                         # (B, T), K = 0 too
+    idx = torch.where(turn_ids >= 0, turn_ids, x_turn.shape[1])              # -1 -> spare column
+    return torch.gather(F.pad(x_turn, (0, 1)), 1, idx)                       # (B, T)
 
 
 def _next_action_value(v: torch.Tensor, act: torch.Tensor) -> torch.Tensor:
     """V_next[b, p] = v at the first action position after p in row b, 0 if there is none."""
     B, T = act.shape
     pos = torch.arange(T, device=act.device).expand(B, T)
-    idx = torch.where(act, pos, T)                                            # T means "none"
-    first_from = torch.flip(torch.cummin(torch.flip(idx, [1]), dim=1).values, [1])   # first >= p
-    nxt = F.pad(first_from[:, 1:], (0, 1), value=T)                           # first > p
-    return torch.gather(F.pad(v, (0, 1)), 1, nxt)                             # (B, T), 0 past end
+    idx = torch.where(act, pos, T)                                           # T means "none"
+    first_from = torch.flip(torch.cummin(torch.flip(idx, [1]), dim=1).values, [1])  # first >= p
+    nxt = F.pad(first_from[:, 1:], (0, 1), value=T)                          # first > p
+    return torch.gather(F.pad(v, (0, 1)), 1, nxt)                            # (B, T), 0 past end
+
+
+def _masked(x: torch.Tensor, act: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in dtype at action positions, 0 elsewhere (junk off the turns never enters a number)."""
+    return torch.where(act, x.to(dtype), torch.zeros((), dtype=dtype, device=x.device))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -455,12 +337,9 @@ def token_td_residuals(rewards: torch.Tensor, values: torch.Tensor, turn_ids: to
     """
     if validate:
         _validate_rewards_values(rewards, values, turn_ids)
-    dtype = _compute_dtype(values)
-    act = turn_ids >= 0
-    zero = torch.zeros((), dtype=dtype, device=values.device)
-    v = torch.where(act, values.to(dtype), zero)                              # (B, T)
-    r = torch.where(act, rewards.to(dtype), zero)                             # (B, T)
-    return torch.where(act, r + _next_action_value(v, act) - v, zero)         # (B, T)
+    dtype, act = _compute_dtype(values), turn_ids >= 0
+    v, r = _masked(values, act, dtype), _masked(rewards, act, dtype)          # (B, T)
+    return _masked(r + _next_action_value(v, act) - v, act, dtype)            # (B, T)
 
 
 def turn_residual_sums(delta: torch.Tensor, turn_ids: torch.Tensor, num_turns: int | None = None,
@@ -474,7 +353,7 @@ def turn_residual_sums(delta: torch.Tensor, turn_ids: torch.Tensor, num_turns: i
         delta: (B, T) token TD residuals.
         turn_ids: (B, T) int64.
         num_turns: K; default the most turns of any row (reads turn_ids, one host sync). Pass any
-            K >= that (e.g. T) to stay sync-free.
+            K >= that (e.g. your environment's turn limit) to stay sync-free.
     Returns:
         delta_turn: (B, K) with 0 for turns a row does not have.
         turn_mask: (B, K) bool, True where row b has turn k.
@@ -485,13 +364,10 @@ def turn_residual_sums(delta: torch.Tensor, turn_ids: torch.Tensor, num_turns: i
         _check_float("delta", delta, turn_ids >= 0)
         if num_turns is not None and num_turns < K:
             raise ValueError(f"num_turns={num_turns} but turn_ids holds {K} turns")
-    if num_turns is None:
-        num_turns = int(turn_ids.max().clamp(min=-1)) + 1
-    dtype = _compute_dtype(delta)
-    act = turn_ids >= 0
-    d = torch.where(act, delta.to(dtype), torch.zeros((), dtype=dtype, device=delta.device))
-    delta_turn = _per_turn_sum(d, turn_ids, num_turns)                         # (B, K)
-    tokens_per_turn = _per_turn_sum(act.to(dtype), turn_ids, num_turns)        # (B, K) L_t
+    K = _num_turns(turn_ids) if num_turns is None else num_turns
+    dtype, act = _compute_dtype(delta), turn_ids >= 0
+    delta_turn = _per_turn_sum(_masked(delta, act, dtype), turn_ids, K)       # (B, K)
+    tokens_per_turn = _per_turn_sum(act.to(dtype), turn_ids, K)               # (B, K) L_t
     return delta_turn, tokens_per_turn > 0
 
 
@@ -518,15 +394,13 @@ def turn_gae(delta_turn: torch.Tensor, turn_mask: torch.Tensor, lam: float,
         _check_tensor("delta_turn", delta_turn)
         _check_tensor("turn_mask", turn_mask)
         if turn_mask.shape != delta_turn.shape or turn_mask.device != delta_turn.device:
-            raise ValueError(f"turn_mask {tuple(turn_mask.shape)} on {turn_mask.device} does not match "
-                             f"delta_turn {tuple(delta_turn.shape)} on {delta_turn.device}")
+            raise ValueError(f"turn_mask {tuple(turn_mask.shape)} on {turn_mask.device} does not "
+                             f"match delta_turn {tuple(delta_turn.shape)} on {delta_turn.device}")
         _check_float("delta_turn", delta_turn, turn_mask.bool())
-    mask = turn_mask.bool()
-    dtype = _compute_dtype(delta_turn)
-    zero = torch.zeros((), dtype=dtype, device=delta_turn.device)
-    d = torch.where(mask, delta_turn.to(dtype), zero)                          # (B, K)
-    decay = torch.where(mask, torch.full_like(d, lam), zero)                   # λ between turns
-    return torch.where(mask, reverse_scan(d, decay), zero)                     # (B, K)
+    mask, dtype = turn_mask.bool(), _compute_dtype(delta_turn)
+    d = _masked(delta_turn, mask, dtype)                                      # (B, K)
+    decay = _masked(torch.full_like(d, _as_float(lam)), mask, dtype)          # λ between turns
+    return _masked(reverse_scan(d, decay), mask, dtype)                       # (B, K)
 
 
 def intra_turn_traces(delta: torch.Tensor, turn_ids: torch.Tensor, lam_intra: float,
@@ -546,14 +420,11 @@ def intra_turn_traces(delta: torch.Tensor, turn_ids: torch.Tensor, lam_intra: fl
         _check_turn_ids(turn_ids)
         _check_tensor("delta", delta, turn_ids)
         _check_float("delta", delta, turn_ids >= 0)
-    dtype = _compute_dtype(delta)
-    act = turn_ids >= 0
-    zero = torch.zeros((), dtype=dtype, device=delta.device)
-    d = torch.where(act, delta.to(dtype), zero)                                # (B, T)
-    next_id = F.pad(turn_ids[:, 1:], (0, 1), value=-1)
-    same_turn = act & (next_id == turn_ids)                                    # i+1 in turn t
-    decay = torch.where(same_turn, torch.full_like(d, lam_intra), zero)       # 0 ends a turn
-    return torch.where(act, reverse_scan(d, decay), zero)                      # (B, T)
+    dtype, act = _compute_dtype(delta), turn_ids >= 0
+    d = _masked(delta, act, dtype)                                            # (B, T)
+    same_turn = act & (F.pad(turn_ids[:, 1:], (0, 1), value=-1) == turn_ids)  # i + 1 in turn t
+    decay = _masked(torch.full_like(d, _as_float(lam_intra)), same_turn, dtype)  # 0 ends a turn
+    return _masked(reverse_scan(d, decay), act, dtype)                        # (B, T)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -575,41 +446,34 @@ def mae_projection(adv_turn: torch.Tensor, adv_intra: torch.Tensor, turn_ids: to
         adv_mae: (B, T), 0 off action positions.
     """
     if validate:
-        beta = _check_beta(beta)
+        beta = _check_number("beta", beta, lambda v: 0.0 <= v < math.inf, "a finite number >= 0")
         K = _check_turn_ids(turn_ids)
         _check_tensor("adv_intra", adv_intra, turn_ids)
-        _check_tensor("adv_turn", adv_turn)
-        if adv_turn.shape[0] != turn_ids.shape[0] or adv_turn.shape[1] < K:
-            raise ValueError(f"adv_turn must have shape ({turn_ids.shape[0]}, >= {K}), "
-                             f"got {tuple(adv_turn.shape)}")
+        _check_adv_turn(adv_turn, turn_ids, K)
         _check_float("adv_intra", adv_intra, turn_ids >= 0)
-    dtype = _compute_dtype(adv_intra)
-    act = turn_ids >= 0
-    K = adv_turn.shape[1]
-    intra = torch.where(act, adv_intra.to(dtype), torch.zeros((), dtype=dtype, device=adv_intra.device))
-    length = _per_turn_sum(act.to(dtype), turn_ids, K)                         # (B, K) L_t
-    mean_intra = _per_turn_sum(intra, turn_ids, K) / length.clamp(min=1)       # (B, K)
-    correction = intra - _gather_turn(mean_intra, turn_ids)                    # (B, T) centred
-    return _gather_turn(adv_turn.to(dtype), turn_ids) + beta * correction      # (B, T)
+    dtype, act, K = _compute_dtype(adv_intra), turn_ids >= 0, adv_turn.shape[1]
+    intra = _masked(adv_intra, act, dtype)                                    # (B, T)
+    length = _per_turn_sum(act.to(dtype), turn_ids, K)                        # (B, K) L_t
+    mean_intra = _per_turn_sum(intra, turn_ids, K) / length.clamp(min=1)      # (B, K)
+    correction = intra - _gather_turn(mean_intra, turn_ids)                   # (B, T) centred
+    return _gather_turn(adv_turn.to(dtype), turn_ids) + _as_float(beta) * correction  # (B, T)
 
 
 # ---------------------------------------------------------------------------------------------
 # The critic's regression target R of (M8): the multi-scale λ-return
 # ---------------------------------------------------------------------------------------------
 
-def multiscale_lambda_returns(values: torch.Tensor, adv_turn: torch.Tensor, adv_intra: torch.Tensor,
-                              turn_ids: torch.Tensor, lam: float, lam_intra: float,
-                              *, validate: bool = True) -> torch.Tensor:
+def multiscale_lambda_returns(values: torch.Tensor, adv_turn: torch.Tensor,
+                              adv_intra: torch.Tensor, turn_ids: torch.Tensor, lam: float,
+                              lam_intra: float, *, validate: bool = True) -> torch.Tensor:
     """The critic target G_{t,i} = V_{t,i} + A^intra_{t,i} + λ_intra^(L_t − i) · λ · A^turn_{t+1}.
 
     A^turn past a row's last turn is 0. It is the λ_intra-return of the tokens of turn t that,
     at the turn's end, bootstraps from the next turn's start value plus λ times its turn-level
-    advantage: the A^intra trace of the residuals with λ·A^turn_{t+1} added to the turn's last
-    residual. So: at a turn's first token with λ_intra = 1 it is the turn λ-return
-    V_{t,1} + A^turn_t (δ^turn_t + λ A^turn_{t+1} = A^turn_t); on the row's last token it is its
-    reward (R(τ) with an outcome reward); with λ = λ_intra = 1 it is the Monte Carlo return;
-    and it does not depend on β (the alternative, V + A^MAE, does, and with λ_intra = β = 1
-    it is the same number A^turn_t + mean_i V_{t,i} on every token of a turn).
+    advantage. So: at a turn's first token with λ_intra = 1 it is the turn λ-return
+    V_{t,1} + A^turn_t; on the row's last token it is its reward (R(τ) with an outcome
+    reward); with λ = λ_intra = 1 it is the Monte Carlo return; and it does not depend on β
+    (the alternative, V + A^MAE, does).
 
     Args:
         values: (B, T) V; adv_turn: (B, K) A^turn; adv_intra: (B, T) A^intra; turn_ids: (B, T);
@@ -623,25 +487,15 @@ def multiscale_lambda_returns(values: torch.Tensor, adv_turn: torch.Tensor, adv_
         for name, x in (("values", values), ("adv_intra", adv_intra)):
             _check_tensor(name, x, turn_ids)
             _check_float(name, x, turn_ids >= 0)
-        _check_tensor("adv_turn", adv_turn)
-        if adv_turn.shape[0] != turn_ids.shape[0] or adv_turn.shape[1] < K:
-            raise ValueError(f"adv_turn must have shape ({turn_ids.shape[0]}, >= {K}), "
-                             f"got {tuple(adv_turn.shape)}")
-    dtype = _compute_dtype(adv_intra)
-    act = turn_ids >= 0
-    zero = torch.zeros((), dtype=dtype, device=adv_intra.device)
-    length = _per_turn_sum(act.to(dtype), turn_ids, adv_turn.shape[1])          # (B, K) L_t
-    rank = torch.cumsum(act.to(dtype), dim=1)                                  # (B, T) tokens so far
-    after = _gather_turn(torch.cumsum(length, dim=1), turn_ids) - rank         # (B, T) L_t − i
-    next_turn = F.pad(adv_turn.to(dtype)[:, 1:], (0, 1))                       # (B, K) A^turn_{t+1}
-    decay = torch.pow(torch.full_like(after, lam_intra), after)                # λ_intra^(L_t − i)
-    boot = lam * decay * _gather_turn(next_turn, turn_ids)                     # (B, T)
-    G = values.to(dtype) + adv_intra.to(dtype) + boot                          # (B, T)
-    return torch.where(act, G, zero)
-
-
-CRITIC_TARGETS = ("mae", "lambda_return")
-CLOSED_FORM_LAM_INTRA = 0.99       # `_mpo_rows` sums a turn's traces in closed form up to this λ_intra
+        _check_adv_turn(adv_turn, turn_ids, K)
+    dtype, act = _compute_dtype(adv_intra), turn_ids >= 0
+    length = _per_turn_sum(act.to(dtype), turn_ids, adv_turn.shape[1])       # (B, K) L_t
+    rank = torch.cumsum(act.to(dtype), dim=1)                                 # (B, T) tokens so far
+    after = _gather_turn(torch.cumsum(length, dim=1), turn_ids) - rank        # (B, T) L_t − i
+    next_turn = F.pad(adv_turn.to(dtype)[:, 1:], (0, 1))                      # (B, K) A^turn_{t+1}
+    decay = torch.pow(torch.full_like(after, _as_float(lam_intra)), after)    # λ_intra^(L_t − i)
+    boot = _as_float(lam) * decay * _gather_turn(next_turn, turn_ids)         # (B, T)
+    return _masked(values.to(dtype) + adv_intra.to(dtype) + boot, act, dtype)  # (B, T)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -655,199 +509,33 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> tor
     masked_whiten computes it (0 when there is a single position).
     """
     mask = mask.bool()
-    x = torch.where(mask, x, torch.zeros_like(x))                              # junk off the mask: ignored
+    x = torch.where(mask, x, torch.zeros_like(x))                 # junk off the mask: ignored
     n = torch.count_nonzero(mask)
     mean = x.sum() / n.clamp(min=1)
-    var = torch.where(mask, x - mean, torch.zeros_like(x)).pow(2).sum() / (n - 1).clamp(min=1)
-    return torch.where(mask, (x - mean) * torch.rsqrt(var + eps), torch.zeros_like(x))
-
-
-def _turn_sums(x: torch.Tensor, bounds: torch.Tensor, chunk: int = 64) -> torch.Tensor:
-    """Σ_{start <= p < end} x[b, p] for every turn: x (B, T) and bounds (B, 2K), each turn's
-    (start, end) side by side as `_mpo_rows` finds them -> (B, K).
-
-    Differences of prefix sums, formed in two levels so rounding stays that of a sum over the
-    turn's own chunks (not over the whole row): prefix sums inside chunks of `chunk` positions
-    in x's dtype, and of whole chunks in float64 (a (B, T / chunk) tensor). A turn the row
-    lacks (start = end = T) sums to exactly 0. ~3x cheaper than scatter_add on the CPU.
-    """
-    B, T = x.shape
-    n = T - T % chunk                                          # positions in whole chunks
-    local = torch.empty_like(x)                                # (B, T) prefix within each chunk
-    torch.cumsum(x[:, :n].view(B, n // chunk, chunk), 2, out=local[:, :n].view(B, n // chunk, chunk))
-    torch.cumsum(x[:, n:], 1, out=local[:, n:])                # the last, partial chunk
-    acc = torch.float64 if x.device.type != "mps" else x.dtype # MPS has no float64
-    before = F.pad(local[:, chunk - 1::chunk].to(acc).cumsum(1), (1, 0))   # (B, chunks) Σ before
-    q = bounds - 1                                             # (B, 2K) Σ_{p <= q}, q in [-1, T - 1]
-    qc = q.clamp(min=0)
-    upto = before.gather(1, torch.div(qc, chunk, rounding_mode="floor")) + local.gather(1, qc)
-    upto = torch.where(q >= 0, upto, 0.0)
-    return (upto[:, 1::2] - upto[:, 0::2]).to(x.dtype)                     # (B, K)
-
-
-def _turn_bounds(act: torch.Tensor, inside: torch.Tensor, K: int) -> torch.Tensor:
-    """Each turn's first and past-the-last position, side by side (B, 2K), from 0/1 uint8
-    masks act (an action token) and inside (p + 1 is in p's turn): T for a turn the row lacks.
-
-    key = (turns begun so far) − act / 2 is k + 1/2 on turn k's tokens and k + 1 between turn k
-    and turn k + 1: non-decreasing, so a binary search for k + 1/2 finds turn k's first token
-    and one for k + 1 the position after its last. Counted in floating point (a float cumsum
-    runs on both threads, an int one does not), exact (halves included) while below 2^23
-    (float32), far above any T in float64.
-    """
-    B, T = act.shape
-    kdtype = torch.float32 if T < 2**22 else torch.float64
-    first = torch.empty_like(act)                                              # (B, T) 1 at a turn's
-    first[:, 0] = act[:, 0]                                                    # first token, else 0
-    torch.sub(act[:, 1:], inside[:, :-1], out=first[:, 1:])
-    key = torch.cumsum(first, dim=1, dtype=kdtype).sub_(act, alpha=0.5)        # (B, T)
-    query = torch.arange(1, 2 * K + 1, dtype=kdtype, device=act.device).div_(2).expand(B, 2 * K)
-    return torch.searchsorted(key, query.contiguous())                        # (B, 2K)
-
-
-SMALL_K = 256                      # up to this many turn columns `_mpo_rows` runs (M3) as a matmul
-
-
-@functools.lru_cache(maxsize=16)                 # a trainer asks for the same few every step
-def _turn_gae_matrix(K: int, lam: float, dtype, device) -> torch.Tensor:
-    """W (K, K) with W[j, t] = λ^(j − t) for j >= t, else 0: A^turn = δ^turn @ W is (M3),
-    A^turn_t = Σ_{j>=t} λ^(j−t) δ^turn_j, when each row's turns are 0..k − 1 and the columns
-    past them hold δ^turn = 0 (as `_turn_sums` gives for a turn the row lacks): the recursion's
-    reset at a missing turn then multiplies only zeros. For few turns a (B, K) recursion is
-    dominated by its ~25 small ops' fixed cost; the matmul is one (λ = 0: W = I, as 0^0 = 1).
-    Cached: the callers only read it."""
-    j = torch.arange(K, dtype=dtype, device=device)
-    return torch.tril(lam ** (j[:, None] - j[None, :]).clamp_(min=0))         # (K, K) λ^(j − t)
-
-
-def _mpo_rows(rewards, values, turn_ids, lam, lam_intra, beta, K, span, read_span, critic_target,
-              adv, returns):
-    """`mpo_advantages` on a block of rows: (M1)–(M4) and Eq. (20) fused, written into `adv`
-    (not whitened) and the critic target into `returns`; returns the action mask, Σ adv, the
-    action-token count and the scan's bound. span: that bound (see `_reverse_scan`);
-    read_span: set it from the block's longest turn (1 if the block has none).
-
-    It computes what the functions above compute (to rounding), with each (B, T) tensor read
-    and written as few times as possible: turns are contiguous and in order, so one cumsum and
-    a binary search give every turn's first and past-the-last position (B, K), from which come
-    L_t, the turn-start values V_{t,1}, V_next at a turn's last token and δ^turn (`_turn_sums`);
-    inside a turn V_next is v[p + 1]. The traces' per-turn sums come from (B, K) numbers in
-    closed form (step 5), where `mae_projection` sums them. Masks enter arithmetic as 0/1 floats
-    (a bool → float cast is slow on the CPU, a byte → float one is not), values off the turns
-    (which may be any junk) only through `torch.where`.
-    """
-    B, T = turn_ids.shape
-    dtype, dev = adv.dtype, adv.device
-    zero = torch.zeros((), dtype=dtype, device=dev)
-    rewards = rewards.to(dtype)                                                # no copy if float32/64
-    shifted = torch.empty((B, T), dtype=turn_ids.dtype, device=dev)           # contiguous: flat views
-    torch.add(turn_ids, 1, out=shifted)             # (B, T) 0 off turns: gather index, below
-    act = shifted.bool()                            # (B, T) turn_ids >= 0, as a cheap cast
-    # inside: p + 1 is in p's turn. Compared on the low byte of shifted (byte compares are ~10x
-    # faster than int64 ones): it wraps only for turn 255 + 256 j against 0 (off the turns),
-    # which the act test excludes; two adjacent turns always differ in it (ids k and k + 1).
-    low = shifted.to(torch.uint8)                                              # (B, T)
-    inside = torch.empty_like(act)                 # every entry is written just below
-    flat_low, flat_act, flat_in = low.view(-1), act.view(-1), inside.view(-1)   # (B T,) views
-    torch.eq(flat_low[1:], flat_low[:-1], out=flat_in[:-1])
-    flat_in[:-1] &= flat_act[:-1]
-    flat_in[:-1] &= flat_act[1:]
-    inside[:, -1] = False                          # the flat compare paired it with the next row
-    # 1. Turn bounds (B, 2K): each turn's first and past-the-last position
-    bounds = _turn_bounds(act.view(torch.uint8), inside.view(torch.uint8), K)  # (B, 2K)
-    start, end = bounds[:, 0::2], bounds[:, 1::2]                              # (B, K)
-    length = end - start                                                       # (B, K) L_t, 0 if none
-    has_turn = length > 0
-    if read_span:                                  # the longest turn: ⌈log2⌉ of it scan steps
-        span = int(length.max()) if K else 1
-    span = max(1, min(T if span is None else int(span), T))                   # no turn is longer
-    N = B * T                                      # the scans run on the block as one flat row
-    # 2. (M1) δ = r + V_next − V, with v = V masked to 0 off the turns: V_next is v[p + 1] where
-    #    p + 1 is in p's turn (`inside`), else 0, plus V_{t+1,1} added on each turn's last token
-    #    (0 after the last turn, and for a turn the row lacks, whose index T − 1 is harmless).
-    v = torch.where(act, values.to(dtype), zero, out=returns)                 # (B, T) V, 0 off turns
-    start_at = start.clamp(max=T - 1)                                          # (B, K) in range
-    v_start = torch.where(has_turn, v.gather(1, start_at), zero)              # (B, K) V_{t,1}
-    fbuf = _padded_buffer((), N, span, dtype, dev)                             # (N + span,)
-    inside_f = fbuf[:N].view(B, T).copy_(inside.view(torch.uint8))             # (B, T) 1 inside, else 0
-    dbuf = _padded_buffer((), N, span, dtype, dev)                             # (N + span,)
-    delta = torch.sub(rewards, v, out=dbuf[:N].view(B, T))                     # (B, T) r − V
-    delta.view(-1)[:-1].addcmul_(inside_f.view(-1)[:-1], v.view(-1)[1:])       # + V_{t,i+1} inside
-    last = (end - 1).clamp(0, T - 1)                                           # (B, K) a turn's last
-    delta.scatter_add_(1, last, F.pad(v_start[:, 1:], (0, 1)))                 # + V_{t+1,1}; 0 off turns
-    # 3. (M2) δ^turn_t = Σ_i δ_{t,i} and (M3) A^turn, on (B, K)
-    delta_turn = _turn_sums(delta, bounds)                                    # (B, K)
-    if K <= SMALL_K:                               # one matmul instead of ~25 small ops
-        adv_turn = delta_turn @ _turn_gae_matrix(K, lam, dtype, dev)          # (B, K)
-    else:
-        adv_turn = _reverse_scan(delta_turn, has_turn.to(dtype).mul_(lam), scratch=False)
-    # 4. (M4) intra-turn traces: the scan with decay λ_intra inside a turn, 0 at its end. The
-    #    decay is 0 at every row's last position, so the block scans as one flat row (N,), in
-    #    buffers with a zero tail (`_scan_padded`): shifted views of a flat tensor are faster
-    #    than of rows, and the zero tail spares a copy per step.
-    inside_f.mul_(lam_intra)                                                   # (B, T) the decay
-    if critic_target == "mae" or not K:
-        adv_intra = _scan_padded(dbuf, fbuf, N, span).view(B, T)               # (B, T)
-    else:      # `multiscale_lambda_returns`: G − V is the same trace of the residuals with
-        #        λ A^turn_{t+1} added on each turn's last token; both in one scan (shared decays)
-        both = _padded_buffer((2,), N, span, dtype, dev)                       # (2, N + span)
-        both[0, :N], both[1, :N] = dbuf[:N], dbuf[:N]
-        both[1, :N].view(B, T).scatter_add_(1, last, F.pad(adv_turn[:, 1:], (0, 1)).mul_(lam))
-        adv_intra, g_minus_v = _scan_padded(both, fbuf, N, span).view(2, B, T)  # (B, T) each
-    # 5. Eq. (20): A^MAE = (A^turn_t − β mean_i A^intra_{t,i}) + β A^intra, one gather; the
-    #    spare column 0 (turn id −1, shifted by one) gives the non-turn positions their 0.
-    #    Σ_i A^intra_{t,i} = Σ_j δ_{t,j} (1 + λ_intra + … + λ_intra^(j−1)) (i = 1..L_t), a geometric
-    #    series: (δ^turn_t − λ_intra A^intra_{t,1}) / (1 − λ_intra), from (B, K) numbers. Its
-    #    rounding grows like 1 / (1 − λ_intra) (that of the direct sum like L_t): above 0.99
-    #    the traces are summed instead (at 0.99, float32: ≤ 1.8x the direct sum's error).
-    if lam_intra <= CLOSED_FORM_LAM_INTRA:
-        a_first = torch.where(has_turn, adv_intra.gather(1, start_at), zero)    # (B, K) A^intra_{t,1}
-        sum_intra = (delta_turn - lam_intra * a_first) / (1 - lam_intra)      # (B, K)
-    else:
-        sum_intra = _turn_sums(adv_intra, bounds)                              # (B, K)
-    mean_intra = sum_intra / length.clamp(min=1)                               # (B, K)
-    base = F.pad(adv_turn - beta * mean_intra, (1, 0))                         # (B, 1 + K)
-    torch.gather(base, 1, shifted, out=adv).add_(adv_intra, alpha=beta)  # (B, T), 0 off turns
-    if critic_target == "mae":
-        returns.add_(adv)                                                      # V + A^MAE
-    elif K:
-        returns.add_(g_minus_v)                                                # G
-    return act, adv.sum(), length.sum(), span
-
-
-def _refuse_max_turn_len(max_turn_len, turn_ids, K):
-    longest = int(_per_turn_sum((turn_ids >= 0).long(), turn_ids, K).amax()) if K else 0
-    raise ValueError(f"max_turn_len must be a whole number >= the longest turn "
-                     f"({longest} tokens), got {max_turn_len!r}")
+    centred = torch.where(mask, x - mean, torch.zeros_like(x))
+    var = centred.pow(2).sum() / (n - 1).clamp(min=1)
+    return centred * torch.rsqrt(var + eps)
 
 
 def mpo_advantages(rewards: torch.Tensor, values: torch.Tensor, turn_ids: torch.Tensor,
-                   lam: float = 0.8, lam_intra: float = 0.95, beta: float = 1.0, whiten: bool = True,
-                   *, num_turns: int | None = None, max_turn_len: int | None = None,
+                   lam: float = 0.8, lam_intra: float = 0.95, beta: float = 1.0,
+                   whiten: bool = True, *, num_turns: int | None = None,
                    critic_target: str = "mae",
                    validate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """Algorithm 1: MPO advantages, (M1)–(M4) and Eq. (20) composed, then (M5) whitening (§5).
+    """Algorithm 1: MPO advantages, (M1) → (M2) → (M3), (M4) → Eq. (20) → (M5) (§5).
 
     Defaults are the paper's reference setting (λ, λ_intra, β) = (0.80, 0.95, 1.00) (§7).
-    β = 0 is the "turn GAE only" ablation (every token of a turn gets A^turn_t). The numbers
-    are those of the functions above composed (tested to 1e-10 against a loop reference); the
-    body (`_mpo_rows`) fuses them so each (B, T) tensor is read and written as few times as
-    possible, and on the CPU runs on blocks of rows (`_row_blocks`). Sync-free on a GPU when
-    validate=False and num_turns (and max_turn_len, for the shortest scan) are given.
+    β = 0 is the "turn GAE only" ablation (every token of a turn gets A^turn_t). The body calls
+    the functions above, in the paper's order, and nothing else.
 
     Args:
         rewards: (B, T) float, non-zero only on action tokens (see `outcome_rewards`).
         values: (B, T) float critic values V_{t,i} (read at action tokens only).
         turn_ids: (B, T) int64.
         lam, lam_intra: λ, λ_intra in [0, 1]; beta: β >= 0; whiten: standardise the advantages.
-        num_turns: an upper bound on any row's turn count (e.g. your environment's turn limit).
-            Without it the count is read back (validation does; on the CPU, where a read costs
-            no sync, the fast path does too); on a GPU with validate=False the turn axis is then
-            T wide (no sync, but larger per-turn tensors).
-        max_turn_len: an upper bound on any turn's token count (e.g. the generation budget of one
-            turn): the intra-turn scan takes ⌈log2 max_turn_len⌉ doubling steps. Without it the
-            longest turn is read back where that costs nothing extra (CPU, or validation on);
-            on a GPU with validate=False the scan then takes ⌈log2 T⌉ steps.
+        num_turns: an upper bound on any row's turn count (e.g. your environment's turn limit);
+            without it the count is read back (one host sync). With validate=False and
+            num_turns given nothing here synchronises with the device.
         critic_target: what `returns` holds, the critic's regression target (the notes leave
             it open): "mae" = values + A^MAE before whitening (PPO's advantages + values with the
             MPO advantage; depends on β); "lambda_return" = `multiscale_lambda_returns`
@@ -859,58 +547,26 @@ def mpo_advantages(rewards: torch.Tensor, values: torch.Tensor, turn_ids: torch.
     """
     if critic_target not in CRITIC_TARGETS:
         raise ValueError(f"critic_target must be one of {CRITIC_TARGETS}, got {critic_target!r}")
-    _refuse_grad(_NOT_DIFFERENTIABLE.format("mpo_advantages"), rewards=rewards, values=values)
+    _refuse_grad(_TARGETS.format("mpo_advantages"), rewards=rewards, values=values)
     if validate:
-        lam = _check_unit("lam", lam)
-        lam_intra = _check_unit("lam_intra", lam_intra)
-        beta = _check_beta(beta)
+        lam, lam_intra = _check_unit("lam", lam), _check_unit("lam_intra", lam_intra)
+        beta = _check_number("beta", beta, lambda v: 0.0 <= v < math.inf, "a finite number >= 0")
         K = _validate_rewards_values(rewards, values, turn_ids)
         if num_turns is not None and num_turns < K:
             raise ValueError(f"num_turns={num_turns} but turn_ids holds {K} turns")
-        if max_turn_len is not None and (isinstance(max_turn_len, bool)
-                                         or not isinstance(max_turn_len, numbers.Integral)
-                                         or max_turn_len < 1):
-            _refuse_max_turn_len(max_turn_len, turn_ids, K)
-    else:
-        K = None                                   # per block: read on the CPU, else T (no sync)
-        lam, lam_intra, beta = (x if isinstance(x, (int, float)) else float(x)   # numpy, 0-dim
-                                for x in (lam, lam_intra, beta))
-    K = num_turns if num_turns is not None else K
-    B, T = turn_ids.shape
-    dtype = _compute_dtype(values)
-    on_cpu = _on_cpu(values)
-    adv = torch.empty(B, T, dtype=dtype, device=values.device)
-    returns = torch.empty(B, T, dtype=dtype, device=values.device)
-    # Rows are independent until (M5)'s batch statistics, so the fused body runs block by block
-    blocks = _row_blocks(turn_ids) if B and T else []                         # empty: nothing to do
-    n = torch.zeros((), dtype=dtype, device=values.device)                    # action tokens
-    total = torch.zeros((), dtype=dtype, device=values.device)                # Σ A^MAE
-    masks = []                                                                 # each block's act
-    # Reading the longest turn back costs nothing on the CPU and a sync elsewhere, which
-    # validation makes anyway (and needs, to check max_turn_len); without it the intra-turn scan
-    # takes ⌈log2 T⌉ steps.
-    read_span = validate or (max_turn_len is None and on_cpu)
-    longest = 1
-    for rs in blocks:
-        ids = turn_ids[rs]
-        k = K if K is not None else _turn_columns(ids)
-        act, total_b, n_b, span = _mpo_rows(rewards[rs], values[rs], ids, lam, lam_intra, beta, k,
-                                       max_turn_len, read_span, critic_target, adv[rs],
-                                       returns[rs])
-        masks.append(act)
-        n += n_b
-        total += total_b
-        longest = max(longest, span) if read_span else longest
-    if validate and max_turn_len is not None and max_turn_len < longest:
-        _refuse_max_turn_len(max_turn_len, turn_ids, K)
-    if whiten:                                     # (M5) over the whole batch, block by block
-        mean = total / n.clamp(min=1)
-        squares = torch.zeros((), dtype=dtype, device=values.device)
-        for rs, act in zip(blocks, masks):
-            a = adv[rs]
-            a.addcmul_(act.view(torch.uint8), mean, value=-1)                 # centred, still 0 off
-            squares += torch.linalg.vector_norm(a).square()
-        adv.mul_(torch.rsqrt(squares / (n - 1).clamp(min=1) + 1e-8))
+    act = turn_ids >= 0
+    delta = token_td_residuals(rewards, values, turn_ids, validate=False)            # (M1) (B, T)
+    delta_turn, turn_mask = turn_residual_sums(delta, turn_ids, num_turns, validate=False)  # (M2)
+    adv_turn = turn_gae(delta_turn, turn_mask, lam, validate=False)                  # (M3) (B, K)
+    adv_intra = intra_turn_traces(delta, turn_ids, lam_intra, validate=False)        # (M4) (B, T)
+    adv = mae_projection(adv_turn, adv_intra, turn_ids, beta, validate=False)     # Eq. (20) (B, T)
+    if critic_target == "mae":                                                    # V + A^MAE
+        returns = _masked(values.to(adv.dtype) + adv, act, adv.dtype)
+    else:                                                                         # G_{t,i}
+        returns = multiscale_lambda_returns(values, adv_turn, adv_intra, turn_ids, lam,
+                                            lam_intra, validate=False)
+    if whiten:
+        adv = masked_whiten(adv, act)                                             # (M5)
     return adv, returns
 
 
@@ -918,26 +574,11 @@ def mpo_advantages(rewards: torch.Tensor, values: torch.Tensor, turn_ids: torch.
 # (M6) The turn-level importance ratio with a stop-gradient, and (M7) the clipped surrogate
 # ---------------------------------------------------------------------------------------------
 
-def _last_turns(turn_ids: torch.Tensor) -> torch.Tensor:
-    """Each row's last turn id, -1 for a row without turns (B,); turns are numbered in order."""
-    if turn_ids.shape[1] == 0:
-        return turn_ids.new_full((turn_ids.shape[0],), -1)
-    return turn_ids.amax(dim=1)
-
-
-def _turn_ratios(log_ratio: torch.Tensor, turn_ids: torch.Tensor, act: torch.Tensor,
-                 max_log_ratio: float):
-    """The turn ratios ρ_t = exp S_t, S_t = Σ_j log_ratio_{t,j} clamped to ±max_log_ratio
-    (B, W + 1: 1 for turns a row lacks and in column W, the non-turn positions' spare), each
-    position's column (B, T), and each row's last turn id (B,; `_last_turns`). W = K, the most
-    turns of a row, on the CPU, where reading it back costs no sync; T on a GPU. Detached: the
-    ratios only enter through a stop-gradient or a statistic."""
-    last = _last_turns(turn_ids)                                               # (B,)
-    W = _turn_columns(turn_ids, last)
-    idx = torch.where(act, turn_ids, W)                                        # -1 -> spare column
-    S = torch.zeros(log_ratio.shape[0], W + 1, dtype=log_ratio.dtype,
-                    device=log_ratio.device).scatter_add_(1, idx, log_ratio.detach())
-    return torch.exp(S.clamp_(-max_log_ratio, max_log_ratio)), idx, last      # (B, W + 1), (B, T)
+def _own_token_ratio(log_ratio: torch.Tensor, rho: torch.Tensor) -> torch.Tensor:
+    """A ratio whose value is rho and whose derivative in log_ratio_{b,p} is rho_{b,p}, through
+    its own token only: rho_{b,p} · exp(ℓ_{b,p} − sg(ℓ_{b,p})), ℓ = log_ratio (exp(0) = 1).
+    rho itself is held constant (sg): the stop-gradient of (M6) and of GSPO-token."""
+    return rho.detach() * torch.exp(log_ratio - log_ratio.detach())
 
 
 def turn_ratio(logp: torch.Tensor, old_logp: torch.Tensor, turn_ids: torch.Tensor,
@@ -945,19 +586,15 @@ def turn_ratio(logp: torch.Tensor, old_logp: torch.Tensor, turn_ids: torch.Tenso
     """(M6): turn ratio with a stop-gradient (§3), ρ̃_{t,i} = ρ_{t,i} · sg(Π_{j≠i} ρ_{t,j}).
 
     Forward: every token of turn t carries the whole turn's ratio ρ_t = exp Σ_j (logp − old_logp),
-    the probability ratio of the turn the environment actually received. Backward: ∂ρ̃_{t,i}/∂logp_{t,i}
-    = ρ_t and nothing flows to the other tokens of the turn, so each token's gradient is
-    ρ_t A_{t,i} and the centred corrections of Eq. (20) survive. With one shared differentiable
-    ρ_t they would cancel: Σ_i A^MAE_{t,i} = L_t A^turn_t (§3).
+    the probability ratio of the turn the environment actually received. Backward:
+    ∂ρ̃_{t,i}/∂logp_{t,i} = ρ_t and nothing flows to the other tokens of the turn, so each
+    token's gradient is ρ_t A_{t,i} and the centred corrections of Eq. (20) survive. With one
+    shared differentiable ρ_t they would cancel: Σ_i A^MAE_{t,i} = L_t A^turn_t (§3).
 
-    Implemented in log space: S_t = Σ_j log_ratio_{t,j} is summed first, so a long turn's
-    product never overflows, and clamped to ±max_log_ratio before exp, so ρ̃ ∈ [e^−20, e^20]
-    ≈ [2e−9, 4.9e8]; then ρ̃_{t,i} = sg(e^S_t) · (1 + log_ratio_{t,i} − sg(log_ratio_{t,i})),
-    whose value is e^S_t and whose derivative in log_ratio_{t,i} is e^S_t. That bounds the
-    *ratio*, not the loss: a turn of 96 tokens that each moved by 0.2 nats has ρ_t = e^19.
-    PPO's clip removes such a term only when its advantage is positive; for A < 0 the unclipped
-    branch −ρ_t A is kept, up to 4.9e8·|A| (and its gradient too), unless `policy_loss` gets a
-    `dual_clip` (train_min.py uses 3).
+    In log space: S_t = Σ_j log_ratio_{t,j} is summed first, so a long turn's product never
+    overflows, and clamped to ±max_log_ratio before exp, so ρ̃ ∈ [e^−20, e^20] ≈ [2e−9, 4.9e8].
+    That bounds the *ratio*, not the loss: for A < 0 PPO keeps the unclipped branch −ρ_t A,
+    up to 4.9e8·|A|, unless `policy_loss` gets a `dual_clip` (train_min.py uses 3).
 
     Args:
         logp, old_logp: (B, T) log-probs of the sampled tokens (current, behaviour).
@@ -966,52 +603,38 @@ def turn_ratio(logp: torch.Tensor, old_logp: torch.Tensor, turn_ids: torch.Tenso
     Returns:
         ratio: (B, T) float, ρ̃ at action positions, 1 elsewhere.
     """
-    max_log_ratio = _check_max_log_ratio(max_log_ratio) if validate else max_log_ratio
     if validate:
+        max_log_ratio = _check_positive("max_log_ratio", max_log_ratio,
+                                        "a finite number > 0 (the clamp of a log-ratio before exp)")
         _validate_logps(logp, old_logp, turn_ids)
-    act = turn_ids >= 0
-    dtype = _compute_dtype(logp)
-    zero = torch.zeros((), dtype=dtype, device=logp.device)
-    log_ratio = torch.where(act, logp.to(dtype) - old_logp.to(dtype), zero)          # (B, T)
-    rho, idx, _ = _turn_ratios(log_ratio, turn_ids, act, max_log_ratio)        # (B, K + 1)
-    rho_tok = torch.gather(rho, 1, idx)                                        # (B, T) sg(ρ_t)
-    return torch.addcmul(rho_tok, rho_tok, log_ratio - log_ratio.detach())    # (B, T)
+    dtype, act, T = _compute_dtype(logp), turn_ids >= 0, turn_ids.shape[1]
+    log_ratio = _masked(logp.to(dtype) - old_logp.to(dtype), act, dtype)      # (B, T) ℓ_{t,i}
+    S = _per_turn_sum(log_ratio.detach(), turn_ids, T)       # (B, T) wide: no sync to find K
+    rho_turn = torch.exp(_gather_turn(S, turn_ids).clamp(-max_log_ratio, max_log_ratio))  # (B, T)
+    # ρ̃_{t,i} = ρ_{t,i} · sg(Π_{j≠i} ρ_{t,j}) = sg(ρ_t) · exp(ℓ_{t,i} − sg(ℓ_{t,i})):
+    # the value is ρ_t, the derivative in ℓ_{t,i} is ρ_t, the other tokens get nothing.
+    return _own_token_ratio(log_ratio, rho_turn)                              # (B, T)
 
 
-def _sequence_ratio(log_ratio: torch.Tensor, act: torch.Tensor, max_log_ratio: float) -> torch.Tensor:
-    """(B3): GSPO's sequence ratio s_b = exp(mean of row b's log-ratios) at every position of
-    row b (B, T), detached."""
-    n = torch.count_nonzero(act, dim=1).unsqueeze(1).clamp(min=1)
-    mean = log_ratio.detach().sum(dim=1, keepdim=True) / n
-    return torch.exp(mean.clamp_(-max_log_ratio, max_log_ratio)).expand_as(log_ratio).contiguous()
-
-
-class _Surrogate(torch.autograd.Function):
-    """A loss given by its value and its gradient: forward returns `value` (0-dim), backward
-    hands `grad` (B, T), ∂loss/∂logp, to logp (scaled by the incoming gradient) and nothing to
-    anything else. First derivatives only (no double backward)."""
-
-    @staticmethod
-    def forward(ctx, logp, value, grad):
-        ctx.save_for_backward(grad)
-        ctx.logp_dtype = logp.dtype
-        return value.clone()
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, g):
-        (grad,) = ctx.saved_tensors
-        return (grad * g).to(ctx.logp_dtype), None, None
-
-
-# GSPO's clip range of the sequence ratio (Zheng et al., 2025, the GSPO paper's experiments:
-# 3e-4 below, 4e-4 above); ε = 0.2 on a length-normalised ratio would be about 500x wider.
-GSPO_CLIP = (3e-4, 4e-4)
+def _validate_policy_loss(logp, old_logp, advantages, turn_ids, clip_eps, clip_eps_high,
+                          dual_clip, num_tokens, max_log_ratio) -> None:
+    _validate_logps(logp, old_logp, turn_ids)
+    _check_tensor("advantages", advantages, turn_ids)
+    _check_float("advantages", advantages, turn_ids >= 0)
+    _check_positive("clip_eps", clip_eps)
+    if clip_eps_high is not None:
+        _check_positive("clip_eps_high", clip_eps_high)
+    if dual_clip is not None:
+        _check_number("dual_clip", dual_clip, lambda v: 1 < v < math.inf, "> 1 (or None)")
+    _check_positive("max_log_ratio", max_log_ratio,
+                    "a finite number > 0 (the clamp of a log-ratio before exp)")
+    if num_tokens is not None:
+        _check_num_tokens(num_tokens, turn_ids >= 0)
 
 
 def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
-                turn_ids: torch.Tensor, clip_eps: float | None = None, ratio_level: str = "turn", *,
-                clip_eps_high: float | None = None, dual_clip: float | None = None,
+                turn_ids: torch.Tensor, clip_eps: float | None = None, ratio_level: str = "turn",
+                *, clip_eps_high: float | None = None, dual_clip: float | None = None,
                 num_tokens: int | torch.Tensor | None = None, max_log_ratio: float = 20.0,
                 validate: bool = True) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(M7): clipped surrogate, token mean, L = (1/N) Σ_action max(−ρA, −clip(ρ, 1−ε, 1+ε_high) A).
@@ -1020,102 +643,68 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
       "turn"     ρ̃_{t,i} of `turn_ratio` (MPO);
       "token"    ρ_{t,i} = exp(logp − old_logp) (PPO, and the "MPO w/ token IS" ablation);
       "sequence" (B3) GSPO-token: s_b = exp(mean of the row's log-ratios) forward, own-token gradient.
+    Every level's ratio has ∂ρ_{b,p}/∂logp_{b,p} = ρ_{b,p}, through its own token only.
     clip_eps (ε): default 0.2 for "turn" and "token"; for "sequence" GSPO's own range,
     ε = 3e-4 and ε_high = 4e-4 (`GSPO_CLIP`), unless you pass clip_eps. `clip_eps_high` (DAPO's
-    clip-higher) widens the upper bound (default ε). The loss is a token mean over action
-    tokens, N = their count in this batch, or `num_tokens` (pass the count of the whole batch to
-    every micro-batch so accumulated gradients equal the full-batch gradient; a whole number
-    >= 1). Every log-ratio (a token's, a turn's sum, a row's mean) is clamped to ±max_log_ratio.
+    clip-higher) widens the upper bound (default ε). N = this batch's action tokens, or
+    `num_tokens` (pass the whole batch's count to every micro-batch so accumulated gradients
+    equal the full-batch gradient). Every log-ratio is clamped to ±max_log_ratio.
 
-    What is bounded: for A > 0 a term's loss is >= −(1 + ε_high)·A and its gradient is zero once
-    ρ > 1 + ε_high. For A < 0 PPO keeps the unclipped −ρ·A when ρ > 1 − ε, so the term and its
-    gradient grow with ρ up to e^max_log_ratio·|A| (4.9e8·|A|; a turn ratio gets there easily,
-    see `turn_ratio`; in float16 that gradient is inf). `dual_clip` = c > 1 (Ye et al., 2020)
-    caps such a term at c·|A| with zero gradient once ρ > c: then every term's loss and
-    gradient are bounded by max(c, 1 + ε_high)·|A| (per token, before the 1/N).
-
-    The gradient is written out, not left to autograd. Every level's ratio has derivative
-    ∂ρ_{b,p}/∂logp_{b,p} = ρ_{b,p} (its own token only: the stop-gradients of (M6) and GSPO-token;
-    PPO's exp), so
-        ∂L/∂logp_{b,p} = −(1/N) · ρ_{b,p} · A_{b,p}   for a term whose unclipped branch is taken,
-                         0                            for a clipped term and off the turns,
-    the gradient autograd gives for the max/clamp expression. The loss is built from that (B, T)
-    tensor and the value above (`_Surrogate`): its backward is one multiply. Only logp gets a
-    gradient (old_logp and advantages must not require one) and only a first derivative.
+    For A < 0 PPO keeps the unclipped −ρ·A when ρ > 1 − ε, which grows with ρ up to
+    e^max_log_ratio·|A|. `dual_clip` = c > 1 (Ye et al., 2020) caps such a term at c·|A|
+    (zero gradient once ρ > c): every term is then bounded by max(c, 1 + ε_high)·|A|.
 
     Returns:
-        loss: 0-dim tensor to minimise.
+        loss: 0-dim tensor to minimise (plain autograd; only logp gets a gradient).
         stats: detached 0-dim tensors: clip_frac (share of action tokens whose term is clipped),
             turn_clip_frac (share of turns whose turn ratio lies outside the clip range),
             approx_kl (mean of (r − 1) − log r over action tokens, r the token ratio; estimates
             KL(old ‖ new)), ratio_mean and ratio_max of the ratio used. With no action token
-            (B = 0, T = 0 or all -1) the loss and every statistic are 0.
+            the loss and every statistic are 0.
     """
     if ratio_level not in RATIO_LEVELS:
         raise ValueError(f"ratio_level must be one of {RATIO_LEVELS}, got {ratio_level!r}")
     if clip_eps is None and ratio_level == "sequence":                       # GSPO's own range
-        clip_eps = GSPO_CLIP[0]
-        clip_eps_high = GSPO_CLIP[1] if clip_eps_high is None else clip_eps_high
-    elif clip_eps is None:
-        clip_eps = 0.2
+        clip_eps, clip_eps_high = GSPO_CLIP[0], clip_eps_high or GSPO_CLIP[1]
+    clip_eps = 0.2 if clip_eps is None else clip_eps
     if validate:
-        _validate_logps(logp, old_logp, turn_ids)
-        _check_tensor("advantages", advantages, turn_ids)
-        _check_float("advantages", advantages, turn_ids >= 0)
-        clip_eps = _check_number("clip_eps", clip_eps, lambda v: 0 < v < math.inf, "> 0")
-        if clip_eps_high is not None:
-            clip_eps_high = _check_number("clip_eps_high", clip_eps_high,
-                                          lambda v: 0 < v < math.inf, "> 0")
-        if dual_clip is not None:
-            dual_clip = _check_number("dual_clip", dual_clip, lambda v: 1 < v < math.inf,
-                                      "> 1 (or None)")
-        max_log_ratio = _check_max_log_ratio(max_log_ratio)
-        if num_tokens is not None:
-            _check_num_tokens(num_tokens, turn_ids >= 0)
+        _validate_policy_loss(logp, old_logp, advantages, turn_ids, clip_eps, clip_eps_high,
+                              dual_clip, num_tokens, max_log_ratio)
     _refuse_grad("policy_loss differentiates logp only", old_logp=old_logp, advantages=advantages)
-    eps_low, eps_high = clip_eps, clip_eps if clip_eps_high is None else clip_eps_high
-    act = turn_ids >= 0
-    dtype = _compute_dtype(logp)
-    zero = torch.zeros((), dtype=dtype, device=logp.device)
-    # Below, in-place operations reuse buffers: on the CPU every fresh (B, T) buffer is fresh
-    # pages, which cost about as much to touch as the arithmetic done in them.
-    with torch.no_grad():                         # the value and the gradient, by hand (above)
-        log_ratio = torch.sub(logp.to(dtype), old_logp.to(dtype))
-        log_ratio = torch.where(act, log_ratio, zero, out=log_ratio)  # (B, T), 0 off the turns
-        rho_turn, idx, last = _turn_ratios(log_ratio, turn_ids, act, max_log_ratio)  # (B, K + 1)
-        if ratio_level == "turn":                                      # MPO: ρ̃_{t,i} = ρ_t
-            ratio = torch.gather(rho_turn, 1, idx)                                # (B, T)
-        elif ratio_level == "token":                                   # ρ_{t,i}
-            ratio = log_ratio.clamp(-max_log_ratio, max_log_ratio).exp_()         # (B, T)
-        else:                                                          # GSPO s_b
-            ratio = _sequence_ratio(log_ratio, act, max_log_ratio)                # (B, T)
-        neg_A = torch.where(act, advantages.to(dtype), zero).neg_()    # (B, T) −A, 0 off the turns
-        loss_unclipped = neg_A * ratio                                 # −ρA
-        loss_tok = ratio.clamp(1 - eps_low, 1 + eps_high).mul_(neg_A)  # −clip(ρ)A
-        loss_tok = torch.maximum(loss_unclipped, loss_tok, out=loss_tok)
-        if dual_clip is not None:            # A < 0: at most c|A| (for A >= 0 the term is <= 0)
-            loss_tok = torch.minimum(loss_tok, neg_A.abs_().mul_(dual_clip), out=loss_tok)
-        nact = torch.count_nonzero(act).clamp(min=1)   # (a bool .sum() would copy to int64)
-        n = nact if num_tokens is None else torch.as_tensor(num_tokens, device=logp.device)
-        clipped = loss_tok != loss_unclipped           # terms without a gradient; A = 0 off turns
-        grad = loss_unclipped.masked_fill_(clipped, 0).div_(n)         # (B, T) ∂L/∂logp
-        value = loss_tok.sum() / n                                     # 0 off the turns: A = 0
-    loss = _Surrogate.apply(logp, value, grad)
-
+    eps_low = _as_float(clip_eps)
+    eps_high = eps_low if clip_eps_high is None else _as_float(clip_eps_high)
+    dtype, act, m = _compute_dtype(logp), turn_ids >= 0, _as_float(max_log_ratio)
+    log_ratio = _masked(logp.to(dtype) - old_logp.to(dtype), act, dtype)      # (B, T)
+    rho_token = torch.exp(log_ratio.detach().clamp(-m, m))                    # (B, T) ρ_{t,i}
+    rho_turn = turn_ratio(logp, old_logp, turn_ids, max_log_ratio=m, validate=False)  # (M6)
+    if ratio_level == "turn":
+        ratio = rho_turn                                                      # ρ̃_{t,i}
+    elif ratio_level == "token":
+        ratio = _own_token_ratio(log_ratio, rho_token)                        # ρ_{t,i}
+    else:    # GSPO-token: s_{b,p} = sg(s_b) · π_p / sg(π_p), s_b = exp(mean_p ℓ_{b,p})
+        n_row = torch.count_nonzero(act, dim=1).clamp(min=1).unsqueeze(1)     # (B, 1)
+        s = torch.exp((log_ratio.detach().sum(1, keepdim=True) / n_row).clamp(-m, m))
+        ratio = _own_token_ratio(log_ratio, s.expand_as(log_ratio))           # (B, T)
+    A = _masked(advantages, act, dtype)                                       # (B, T)
+    unclipped = -ratio * A                                                    # −ρA
+    term = torch.maximum(unclipped, -ratio.clamp(1 - eps_low, 1 + eps_high) * A)
+    if dual_clip is not None:              # A < 0: at most c|A| (for A >= 0 the term is <= 0)
+        term = torch.minimum(term, _as_float(dual_clip) * A.abs())
+    n_act = torch.count_nonzero(act).clamp(min=1)
+    n = n_act if num_tokens is None else torch.as_tensor(num_tokens, device=logp.device)
+    loss = _masked(term, act, dtype).sum() / n
     with torch.no_grad():
-        turn_out = (rho_turn < 1 - eps_low) | (rho_turn > 1 + eps_high)
-        n_turns = (last + 1).clamp(min=0).sum()
-        if ratio_level == "token":                 # (r − 1) − log r, 0 off the turns (r = 1)
-            kl = (ratio - 1).sub_(log_ratio)
-        else:
-            kl = log_ratio.clamp(-max_log_ratio, max_log_ratio).exp_().sub_(1).sub_(log_ratio)
-        ratio_act = torch.where(act, ratio, zero, out=ratio)          # ratio is not needed again
+        first = act & (turn_ids != F.pad(turn_ids[:, :-1], (1, 0), value=-1))  # a turn's 1st token
+        rho_t = rho_turn.detach()
+        outside = (rho_t < 1 - eps_low) | (rho_t > 1 + eps_high)
+        ratio_act = _masked(ratio.detach(), act, dtype)
         stats = {
-            "clip_frac": torch.count_nonzero(clipped).to(dtype) / nact,
-            "turn_clip_frac": torch.count_nonzero(turn_out).to(dtype) / n_turns.clamp(min=1),
-            "approx_kl": kl.sum() / nact,
-            "ratio_mean": ratio_act.sum() / nact,
-            "ratio_max": ratio_act.amax() if ratio_act.numel() else zero.clone(),   # 0 if no token
+            "clip_frac": torch.count_nonzero(act & (term != unclipped)).to(dtype) / n_act,
+            "turn_clip_frac": (torch.count_nonzero(first & outside).to(dtype)
+                               / torch.count_nonzero(first).clamp(min=1)),
+            "approx_kl": _masked(rho_token - 1 - log_ratio.detach(), act, dtype).sum() / n_act,
+            "ratio_mean": ratio_act.sum() / n_act,
+            "ratio_max": ratio_act.amax() if ratio_act.numel() else ratio_act.new_zeros(()),
         }
     return loss, stats
 
@@ -1140,7 +729,7 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
             _check_tensor(name, x, turn_ids)
             _check_float(name, x, act)
         if clip is not None:
-            clip = _check_number("clip", clip, lambda v: 0 < v < math.inf, "> 0 or None")
+            clip = _check_positive("clip", clip, "> 0 or None")
         if num_tokens is not None:
             _check_num_tokens(num_tokens, act)
     act = turn_ids >= 0
@@ -1183,14 +772,11 @@ def _masked_token_residuals(rewards, values, act, gamma) -> tuple[torch.Tensor, 
     return torch.where(act, r + gamma * _next_action_value(v, act) - v, zero), v
 
 
-def _token_trace(delta: torch.Tensor, act: torch.Tensor, decay, scratch: bool = False):
-    """A_p = δ_p + decay · A_next(p) over action tokens; decay a number or a (B, 1) tensor.
-    scratch: delta may be overwritten."""
+def _token_trace(delta: torch.Tensor, act: torch.Tensor, decay) -> torch.Tensor:
+    """A_p = δ_p + decay · A_next(p) over action tokens; decay a number or a (B, 1) tensor."""
     decay = torch.as_tensor(decay, dtype=delta.dtype, device=delta.device)
     a = torch.where(act, decay, torch.ones((), dtype=delta.dtype, device=delta.device))  # skip obs
-    if not scratch:
-        delta = delta.clone()
-    return _reverse_scan(delta, a.expand_as(delta), scratch=True).masked_fill_(~act, 0)  # (B, T)
+    return _masked(reverse_scan(delta, a), act, delta.dtype)                  # (B, T)
 
 
 def token_gae(rewards: torch.Tensor, values: torch.Tensor, action_mask: torch.Tensor,
@@ -1207,14 +793,14 @@ def token_gae(rewards: torch.Tensor, values: torch.Tensor, action_mask: torch.Te
         rewards, values: (B, T) float; action_mask: (B, T) bool or 0/1 integers (1 = action token).
         lam: λ in [0, 1]; gamma: γ in [0, 1]; whiten: standardise over the batch's action tokens.
     """
-    _refuse_grad(_NOT_DIFFERENTIABLE.format("token_gae"), rewards=rewards, values=values)
+    _refuse_grad(_TARGETS.format("token_gae"), rewards=rewards, values=values)
     if validate:
         lam = _check_unit("lam", lam)
         gamma = _check_unit("gamma", gamma)
         _validate_action_mask(rewards, values, action_mask)
     act = action_mask.bool()
     delta, v = _masked_token_residuals(rewards, values, act, gamma)           # (B, T), (B, T)
-    adv = _token_trace(delta, act, gamma * lam, scratch=True)                  # (B, T)
+    adv = _token_trace(delta, act, gamma * lam)                  # (B, T)
     returns = torch.where(act, v + adv, torch.zeros_like(v))
     if whiten:
         adv = masked_whiten(adv, act)
@@ -1240,9 +826,9 @@ def vapo_advantages(rewards: torch.Tensor, values: torch.Tensor, action_mask: to
     Returns:
         advantages (B, T), whitened if `whiten`; returns (B, T) = values + GAE(critic_lam).
     """
-    _refuse_grad(_NOT_DIFFERENTIABLE.format("vapo_advantages"), rewards=rewards, values=values)
+    _refuse_grad(_TARGETS.format("vapo_advantages"), rewards=rewards, values=values)
     if validate:
-        alpha = _check_number("alpha", alpha, lambda v: 0 < v < math.inf, "> 0")
+        alpha = _check_positive("alpha", alpha)
         critic_lam = _check_unit("critic_lam", critic_lam)
         _validate_action_mask(rewards, values, action_mask)
     act = action_mask.bool()
@@ -1250,7 +836,7 @@ def vapo_advantages(rewards: torch.Tensor, values: torch.Tensor, action_mask: to
     length = torch.count_nonzero(act, dim=1).unsqueeze(1).to(delta.dtype)    # (B, 1) l_b
     lam = (1 - 1 / (alpha * length.clamp(min=1))).clamp(0, 1)                  # (B, 1) λ_b
     adv = _token_trace(delta, act, lam)                                        # (B, T)
-    returns = v + _token_trace(delta, act, critic_lam, scratch=True)          # (B, T), 0 off
+    returns = v + _token_trace(delta, act, critic_lam)          # (B, T), 0 off
     if whiten:
         adv = masked_whiten(adv, act)
     return adv, returns

@@ -510,14 +510,3 @@ def test_policy_loss_bfloat16_logp_gets_a_bfloat16_gradient_close_to_float64(lev
                                    A.bfloat16().double(), b.turn_ids, 0.2, level)
     close(lp16.grad.double(), e_grad, atol=1e-3)
     assert float(e_grad.abs().max()) > 1e-2                  # the comparison is not of zeros
-
-
-def test_policy_loss_has_no_second_derivative():
-    """The written-out gradient is a first derivative only: asking for a second one raises
-    instead of returning a silent zero."""
-    b = make_batch(Layout([RowLayout(1, [4], [0], False)]), seed=0, log_ratio_scale=0.2)
-    lp = b.logp.clone().requires_grad_(True)
-    loss, _ = mpo.policy_loss(lp, b.old_logp, rand_adv(b), b.turn_ids)
-    (g,) = torch.autograd.grad(loss, lp, create_graph=True)
-    with pytest.raises(RuntimeError, match="does not require grad|once_differentiable"):
-        torch.autograd.grad(g.sum(), lp)
