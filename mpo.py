@@ -59,10 +59,7 @@ CRITIC_TARGETS = ("mae", "lambda_return")
 GSPO_CLIP = (3e-4, 4e-4)
 
 
-# ---------------------------------------------------------------------------------------------
-# Input validation: every public function checks its arguments unless validate=False.
-# The checks read values back to the host; they never change a number.
-# ---------------------------------------------------------------------------------------------
+# --- Input validation (skipped with validate=False); it never changes a number --------------
 
 def _check_tensor(name, x, ref=None, dims=2, ref_name="turn_ids") -> None:
     if not isinstance(x, torch.Tensor):
@@ -202,9 +199,7 @@ def _as_float(x) -> float:
     return x if isinstance(x, (int, float)) else float(x)
 
 
-# ---------------------------------------------------------------------------------------------
-# The one loop primitive, and moving numbers between tokens and turns
-# ---------------------------------------------------------------------------------------------
+# --- The one loop primitive, and moving numbers between tokens and turns ---------------------
 
 def reverse_scan(b: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
     """Solve x_i = b_i + a_i * x_{i+1} (x past the end = 0) along the last dimension.
@@ -263,9 +258,7 @@ def _masked(x: torch.Tensor, act: torch.Tensor, dtype: torch.dtype) -> torch.Ten
     return torch.where(act, x.to(dtype), torch.zeros((), dtype=dtype, device=x.device))
 
 
-# ---------------------------------------------------------------------------------------------
-# From a trainer's batch to the paper's quantities
-# ---------------------------------------------------------------------------------------------
+# --- From a trainer's batch to the paper's quantities ----------------------------------------
 
 def turn_ids_from_mask(action_mask: torch.Tensor) -> torch.Tensor:
     """Turn ids from a 0/1 action mask: each maximal run of 1s is the next turn, -1 elsewhere.
@@ -281,7 +274,8 @@ def turn_ids_from_mask(action_mask: torch.Tensor) -> torch.Tensor:
     _check_tensor("action_mask", action_mask)
     if action_mask.dtype != torch.bool:
         if action_mask.is_floating_point() or action_mask.is_complex():
-            raise TypeError(f"action_mask must be a bool or integer tensor, got {action_mask.dtype}")
+            raise TypeError("action_mask must be a bool or integer tensor, got "
+                            f"{action_mask.dtype}")
         if bool(((action_mask != 0) & (action_mask != 1)).any()):
             raise ValueError("action_mask must hold only 0 and 1")
     act = action_mask.bool()
@@ -315,9 +309,7 @@ def outcome_rewards(scores: torch.Tensor, turn_ids: torch.Tensor) -> torch.Tenso
     return rewards[:, :T]
 
 
-# ---------------------------------------------------------------------------------------------
-# (M1) Token TD residuals and (M2) their per-turn sums
-# ---------------------------------------------------------------------------------------------
+# --- (M1) Token TD residuals and (M2) their per-turn sums ------------------------------------
 
 def token_td_residuals(rewards: torch.Tensor, values: torch.Tensor, turn_ids: torch.Tensor,
                        *, validate: bool = True) -> torch.Tensor:
@@ -371,9 +363,7 @@ def turn_residual_sums(delta: torch.Tensor, turn_ids: torch.Tensor, num_turns: i
     return delta_turn, tokens_per_turn > 0
 
 
-# ---------------------------------------------------------------------------------------------
-# (M3) Turn-level GAE and (M4) intra-turn traces
-# ---------------------------------------------------------------------------------------------
+# --- (M3) Turn-level GAE and (M4) intra-turn traces ------------------------------------------
 
 def turn_gae(delta_turn: torch.Tensor, turn_mask: torch.Tensor, lam: float,
              *, validate: bool = True) -> torch.Tensor:
@@ -427,13 +417,13 @@ def intra_turn_traces(delta: torch.Tensor, turn_ids: torch.Tensor, lam_intra: fl
     return _masked(reverse_scan(d, decay), act, dtype)                        # (B, T)
 
 
-# ---------------------------------------------------------------------------------------------
-# Eq. (20): the MAE projection
-# ---------------------------------------------------------------------------------------------
+# --- Eq. (20): the MAE projection ------------------------------------------------------------
 
 def mae_projection(adv_turn: torch.Tensor, adv_intra: torch.Tensor, turn_ids: torch.Tensor,
                    beta: float, *, validate: bool = True) -> torch.Tensor:
-    """Eq. (20): centred intra-turn correction, A^MAE_{t,i} = A^turn_t + β (A^intra_{t,i} − mean_i A^intra_{t,i}).
+    """Eq. (20): the centred intra-turn correction (MAE projection) of the turn-level credit.
+
+    A^MAE_{t,i} = A^turn_t + β (A^intra_{t,i} − mean_i A^intra_{t,i}).
 
     The least-squares projection of β·A^intra_t onto {w : mean_i w_i = A^turn_t} (§6):
     minimise ½ Σ_i (w_i − β A^intra_{t,i})² subject to (1/L_t) Σ_i w_i = A^turn_t; the Lagrange
@@ -459,9 +449,7 @@ def mae_projection(adv_turn: torch.Tensor, adv_intra: torch.Tensor, turn_ids: to
     return _gather_turn(adv_turn.to(dtype), turn_ids) + _as_float(beta) * correction  # (B, T)
 
 
-# ---------------------------------------------------------------------------------------------
-# The critic's regression target R of (M8): the multi-scale λ-return
-# ---------------------------------------------------------------------------------------------
+# --- The critic's regression target R of (M8): the multi-scale λ-return ----------------------
 
 def multiscale_lambda_returns(values: torch.Tensor, adv_turn: torch.Tensor,
                               adv_intra: torch.Tensor, turn_ids: torch.Tensor, lam: float,
@@ -498,9 +486,7 @@ def multiscale_lambda_returns(values: torch.Tensor, adv_turn: torch.Tensor,
     return _masked(values.to(dtype) + adv_intra.to(dtype) + boot, act, dtype)  # (B, T)
 
 
-# ---------------------------------------------------------------------------------------------
-# (M5) Batch whitening (§5, step 6), and the composition: MPO advantages (Algorithm 1)
-# ---------------------------------------------------------------------------------------------
+# --- (M5) Batch whitening (§5, step 6), and the composition: MPO advantages (Algorithm 1) ----
 
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     """(M5): standardise x over the positions of mask, (x − mean) / sqrt(var + eps), 0 off mask.
@@ -570,9 +556,7 @@ def mpo_advantages(rewards: torch.Tensor, values: torch.Tensor, turn_ids: torch.
     return adv, returns
 
 
-# ---------------------------------------------------------------------------------------------
-# (M6) The turn-level importance ratio with a stop-gradient, and (M7) the clipped surrogate
-# ---------------------------------------------------------------------------------------------
+# --- (M6) The turn ratio with a stop-gradient, and (M7) the clipped surrogate ----------------
 
 def _own_token_ratio(log_ratio: torch.Tensor, rho: torch.Tensor) -> torch.Tensor:
     """A ratio whose value is rho and whose derivative in log_ratio_{b,p} is rho_{b,p}, through
@@ -642,7 +626,7 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     ratio_level chooses ρ:
       "turn"     ρ̃_{t,i} of `turn_ratio` (MPO);
       "token"    ρ_{t,i} = exp(logp − old_logp) (PPO, and the "MPO w/ token IS" ablation);
-      "sequence" (B3) GSPO-token: s_b = exp(mean of the row's log-ratios) forward, own-token gradient.
+      "sequence" (B3) GSPO-token: s_b = exp(mean of the row's log-ratios), own-token gradient.
     Every level's ratio has ∂ρ_{b,p}/∂logp_{b,p} = ρ_{b,p}, through its own token only.
     clip_eps (ε): default 0.2 for "turn" and "token"; for "sequence" GSPO's own range,
     ε = 3e-4 and ε_high = 4e-4 (`GSPO_CLIP`), unless you pass clip_eps. `clip_eps_high` (DAPO's
@@ -709,16 +693,15 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     return loss, stats
 
 
-# ---------------------------------------------------------------------------------------------
-# (M8) The critic loss
-# ---------------------------------------------------------------------------------------------
+# --- (M8) The critic loss --------------------------------------------------------------------
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
                turn_ids: torch.Tensor, clip: float | None = None, *,
                num_tokens: int | torch.Tensor | None = None, validate: bool = True) -> torch.Tensor:
     """(M8): critic loss, ½ (1/N) Σ_action (V − R)², optionally value-clipped as in PPO.
 
-    With `clip` = c: per token max((V − R)², (V_clip − R)²), V_clip = V_old + clamp(V − V_old, −c, c).
+    With `clip` = c: per token max((V − R)², (V_clip − R)²), V_clip = V_old + clamp(V − V_old,
+    −c, c).
     N as in `policy_loss` (`num_tokens` for gradient accumulation). The targets R are the
     `returns` of `mpo_advantages` (values + A^MAE), read at action tokens.
     """
@@ -732,25 +715,18 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
             clip = _check_positive("clip", clip, "> 0 or None")
         if num_tokens is not None:
             _check_num_tokens(num_tokens, act)
-    act = turn_ids >= 0
-    dtype = _compute_dtype(values)
-    zero = torch.zeros((), dtype=dtype, device=values.device)
-    v = torch.where(act, values.to(dtype), zero)                               # masked first: junk off
-    R = torch.where(act, returns.to(dtype), zero)                              # action positions must
-    err = (v - R) ** 2                                                          # not reach the gradient
+    dtype, act = _compute_dtype(values), turn_ids >= 0
+    v, R = _masked(values, act, dtype), _masked(returns, act, dtype)   # junk off the turns
+    err = (v - R) ** 2                                                 # never reaches a gradient
     if clip is not None:
-        old = torch.where(act, old_values.to(dtype), zero)
-        v_clip = old + (v - old).clamp(-clip, clip)
-        err = torch.maximum(err, (v_clip - R) ** 2)
+        old = _masked(old_values, act, dtype)
+        err = torch.maximum(err, (old + (v - old).clamp(-clip, clip) - R) ** 2)
     n = (torch.count_nonzero(act) if num_tokens is None
          else torch.as_tensor(num_tokens, device=values.device))
-    return 0.5 * torch.where(act, err, zero).sum() / n.clamp(min=1)
+    return 0.5 * _masked(err, act, dtype).sum() / n.clamp(min=1)
 
 
-# ---------------------------------------------------------------------------------------------
-# Baselines: (B1) PPO token-level GAE and VAPO's variant of it, (B2) GRPO group advantages
-# ((B3) GSPO = GRPO advantages with policy_loss(ratio_level="sequence"))
-# ---------------------------------------------------------------------------------------------
+# --- Baselines: (B1) PPO token GAE and VAPO's variant, (B2) GRPO; (B3) GSPO in policy_loss ---
 
 def _validate_action_mask(rewards, values, action_mask) -> None:
     turn_ids_from_mask(action_mask)                                            # checks the mask
@@ -766,10 +742,8 @@ def _validate_action_mask(rewards, values, action_mask) -> None:
 def _masked_token_residuals(rewards, values, act, gamma) -> tuple[torch.Tensor, torch.Tensor]:
     """δ_p = r_p + γ V_next − V_p over action tokens (observations skipped), and the masked V."""
     dtype = _compute_dtype(values)
-    zero = torch.zeros((), dtype=dtype, device=values.device)
-    v = torch.where(act, values.to(dtype), zero)                               # (B, T)
-    r = torch.where(act, rewards.to(dtype), zero)                              # (B, T)
-    return torch.where(act, r + gamma * _next_action_value(v, act) - v, zero), v
+    v, r = _masked(values, act, dtype), _masked(rewards, act, dtype)          # (B, T)
+    return _masked(r + gamma * _next_action_value(v, act) - v, act, dtype), v
 
 
 def _token_trace(delta: torch.Tensor, act: torch.Tensor, decay) -> torch.Tensor:
@@ -782,7 +756,7 @@ def _token_trace(delta: torch.Tensor, act: torch.Tensor, decay) -> torch.Tensor:
 def token_gae(rewards: torch.Tensor, values: torch.Tensor, action_mask: torch.Tensor,
               lam: float = 0.95, gamma: float = 1.0, whiten: bool = True,
               *, validate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B1): PPO token-level GAE over action tokens, A_i = δ_i + γλ A_next, δ_i = r_i + γ V_next − V_i.
+    """(B1): PPO token GAE over action tokens, A_i = δ_i + γλ A_next, δ_i = r_i + γ V_next − V_i.
 
     Observation tokens are skipped, as verl's multi-turn GAE does: "next" is the next action
     token, so the environment's reply costs no discount, but every generated token costs one
@@ -800,8 +774,8 @@ def token_gae(rewards: torch.Tensor, values: torch.Tensor, action_mask: torch.Te
         _validate_action_mask(rewards, values, action_mask)
     act = action_mask.bool()
     delta, v = _masked_token_residuals(rewards, values, act, gamma)           # (B, T), (B, T)
-    adv = _token_trace(delta, act, gamma * lam)                  # (B, T)
-    returns = torch.where(act, v + adv, torch.zeros_like(v))
+    adv = _token_trace(delta, act, gamma * lam)                               # (B, T)
+    returns = _masked(v + adv, act, v.dtype)
     if whiten:
         adv = masked_whiten(adv, act)
     return adv, returns
@@ -836,14 +810,15 @@ def vapo_advantages(rewards: torch.Tensor, values: torch.Tensor, action_mask: to
     length = torch.count_nonzero(act, dim=1).unsqueeze(1).to(delta.dtype)    # (B, 1) l_b
     lam = (1 - 1 / (alpha * length.clamp(min=1))).clamp(0, 1)                  # (B, 1) λ_b
     adv = _token_trace(delta, act, lam)                                        # (B, T)
-    returns = v + _token_trace(delta, act, critic_lam)          # (B, T), 0 off
+    returns = v + _token_trace(delta, act, critic_lam)                        # (B, T), 0 off
     if whiten:
         adv = masked_whiten(adv, act)
     return adv, returns
 
 
 def grpo_advantages(scores: torch.Tensor, group_ids: torch.Tensor, turn_ids: torch.Tensor,
-                    eps: float = 1e-6, scale: bool = True, *, validate: bool = True) -> torch.Tensor:
+                    eps: float = 1e-6, scale: bool = True, *,
+                    validate: bool = True) -> torch.Tensor:
     """(B2): GRPO, A_b = (R_b − mean_g R) / (std_g R + eps), broadcast to row b's action tokens.
 
     g is the group of rollouts sharing group_ids[b] (the same prompt). std is the unbiased
@@ -862,7 +837,8 @@ def grpo_advantages(scores: torch.Tensor, group_ids: torch.Tensor, turn_ids: tor
         for name, x in (("scores", scores), ("group_ids", group_ids)):
             _check_tensor(name, x, dims=1)
             if x.shape[0] != B or x.device != turn_ids.device:
-                raise ValueError(f"{name} must have shape ({B},) on {turn_ids.device}, got {tuple(x.shape)} on {x.device}")
+                raise ValueError(f"{name} must have shape ({B},) on {turn_ids.device}, "
+                                 f"got {tuple(x.shape)} on {x.device}")
         if group_ids.is_floating_point():
             raise TypeError(f"group_ids must be an integer tensor, got {group_ids.dtype}")
         _check_float("scores", scores)
@@ -871,18 +847,16 @@ def grpo_advantages(scores: torch.Tensor, group_ids: torch.Tensor, turn_ids: tor
     same = (group_ids[:, None] == group_ids[None, :]).to(dtype)               # (B, B)
     n = same.sum(dim=1)                                                        # (B,)
     mean = same @ R / n                                                        # (B,)
-    dev2 = (R[None, :] - mean[:, None]) ** 2                                   # (B, B) centred first:
-    std = torch.sqrt((same * dev2).sum(dim=1) / (n - 1).clamp(min=1))          # no E[R²] − mean² cancellation
+    dev2 = (R[None, :] - mean[:, None]) ** 2              # (B, B) centred first: no cancellation
+    std = torch.sqrt((same * dev2).sum(dim=1) / (n - 1).clamp(min=1))          # (B,)
     adv = R - mean
     if scale:
         adv = adv / (std + eps)
     adv = torch.where(n > 1, adv, torch.zeros_like(adv))                       # (B,)
-    return torch.where(turn_ids >= 0, adv[:, None], torch.zeros((), dtype=dtype, device=adv.device))
+    return _masked(adv[:, None].expand(turn_ids.shape), turn_ids >= 0, dtype)  # (B, T)
 
 
-# ---------------------------------------------------------------------------------------------
-# Diagnostics: explained variance and the critic's turn structure (Appendix C; §1, §3, §9)
-# ---------------------------------------------------------------------------------------------
+# --- Diagnostics: explained variance, the critic's turn structure (Appendix C; §1, §3, §9) ----
 
 def explained_variance(values: torch.Tensor, returns: torch.Tensor, turn_ids: torch.Tensor,
                        *, validate: bool = True) -> torch.Tensor:
@@ -911,84 +885,65 @@ PAPER_TURN_VALUE_STRUCTURE = {
 }
 
 
+def _row_value_structure(v: torch.Tensor, t: torch.Tensor, K: int) -> tuple:
+    """One row's Appendix C numbers: v (n,) its values at action tokens, t (n,) their turns."""
+    dv = v[1:] - v[:-1]
+    crossing = t[1:] != t[:-1]                                                # K − 1 boundary pairs
+    turns = [v[t == k] for k in range(K)]
+    L = torch.tensor([float(x.numel()) for x in turns], dtype=torch.float64)  # (K,) L_t
+    m = torch.stack([x.mean() for x in turns])                                # (K,) turn means
+    between = float((L * (m - v.mean()) ** 2).sum())
+    within = float(sum(((x - x.mean()) ** 2).sum() for x in turns))
+    var_between = float(m.var(unbiased=False))
+    var_within = float(torch.stack([x.var(unbiased=False) for x in turns]).mean())
+    span = torch.stack([x.quantile(0.95) - x.quantile(0.05) for x in turns]).mean()
+    return (between / (between + within), var_between / (var_between + var_within),
+            between > within, float(dv[crossing].abs().mean()) > float(span),
+            float((dv[crossing] ** 2).sum()), float((dv ** 2).sum()))
+
+
 def turn_value_structure(values, turn_ids) -> dict[str, float]:
     """The paper's Appendix C statistics: do the critic's values vary mainly between turns?
 
-    Rows: a trajectory (row) enters every statistic iff it has at least two turns and its values
-    at action tokens are not all equal; rows with one turn (no boundary, no between-turn
-    variance) and constant rows (every share 0/0) are left out of all five, and counted in
-    n_single_turn and n_constant. Only action tokens are read (observations and padding
-    skipped). For a row, v̄ is the mean of its values, m_t and L_t the mean and token count of
-    turn t, v_{t,i} its values in order:
+    A row enters every statistic iff it has >= 2 turns and its action-token values are not all
+    equal (the others are counted in n_single_turn and n_constant). Only action tokens are
+    read. For a row, v̄ is the mean of its values, m_t and L_t the mean and token count of turn
+    t, v_{t,i} its values in order; a pair is two consecutive action tokens, crossing when they
+    lie in different turns (observations between them skipped):
 
-      between_share_token_median   median over rows of Σ_t L_t (m_t − v̄)² / Σ_{t,i} (v_{t,i} − v̄)²:
-                                   the share of the token-weighted value variance explained by
-                                   turn means (paper: 89.5%);
-      between_share_equal_median   median of Var_t(m_t) / (Var_t(m_t) + mean_t Var_i(v_{t,i})),
-                                   every turn weighted equally, population variances (paper: 90.2%);
-      between_exceeds_within_frac  share of rows with Σ_t L_t (m_t − v̄)² > Σ_{t,i} (v_{t,i} − m_t)²
-                                   (paper: 93.8%);
-      boundary_share_sq_changes    adjacent pairs are consecutive action tokens of a row; a pair
-                                   crosses a boundary when its tokens are in different turns (the
-                                   last token of turn t, the first of t + 1, observations between
-                                   them skipped). Pooled over the rows: Σ Δv² over crossing pairs /
-                                   Σ Δv² over all pairs (paper: 9.2%);
-      boundary_jump_exceeds_span_frac  share of rows whose jump, the mean |Δv| over its crossing
-                                   pairs, exceeds its span, the mean over its turns of the turn's
-                                   P95 − P05 (torch.quantile, linear interpolation; 0 for a one-
-                                   token turn) (paper: 22.4%);
-      n_trajectories, n_turns      the rows used and their turns; n_single_turn, n_constant the
-                                   rows left out (rows without any turn are not counted).
-    Medians are the usual median (mean of the two middle values for an even count); a statistic
-    over no row is NaN.
-
-    Pooling: `values` and `turn_ids` may be lists of batches (pairs of (B_j, T_j) tensors, e.g.
-    several rollout batches or checkpoints, as the paper pools 2,048 trajectories over 8
-    checkpoints); every statistic is then computed over all their rows together, which is not
-    the mean of per-batch statistics. A diagnostic: it loops over rows on the CPU in float64;
-    call it every N steps, not every step. The paper's numbers: `PAPER_TURN_VALUE_STRUCTURE`.
+      between_share_token_median  median of Σ_t L_t (m_t − v̄)² / Σ_{t,i} (v_{t,i} − v̄)² (89.5%)
+      between_share_equal_median  median of Var_t(m_t) / (Var_t(m_t) + mean_t Var_i(v_{t,i})),
+                                  population variances, turns weighted equally (paper: 90.2%)
+      between_exceeds_within_frac share of rows with Σ_t L_t (m_t − v̄)² > Σ_{t,i} (v_{t,i} − m_t)²
+                                  (paper: 93.8%)
+      boundary_share_sq_changes   pooled over rows, Σ Δv² over crossing pairs / Σ Δv² over all
+                                  pairs (paper: 9.2%)
+      boundary_jump_exceeds_span_frac  share of rows whose mean |Δv| over crossing pairs exceeds
+                                  the mean over turns of P95 − P05 (torch.quantile) (paper: 22.4%)
+      n_trajectories, n_turns     the rows used and their turns.
+    Medians are the usual median; a statistic over no row is NaN. `values` and `turn_ids` may
+    be lists of batches: the statistics are then over all their rows together. A diagnostic
+    (a loop over rows on the CPU in float64). The paper's numbers: `PAPER_TURN_VALUE_STRUCTURE`.
     """
     pooled = isinstance(values, (list, tuple)), isinstance(turn_ids, (list, tuple))
     if pooled[0] != pooled[1] or (pooled[0] and len(values) != len(turn_ids)):
         raise ValueError("values and turn_ids must both be tensors, or both lists of as many "
                          "batches")
-    batches = list(zip(values, turn_ids)) if pooled[0] else [(values, turn_ids)]
-    rows = []
-    for V, ids in batches:
+    rows, n_single, n_constant = [], 0, 0
+    for V, ids in (zip(values, turn_ids) if pooled[0] else [(values, turn_ids)]):
         _check_turn_ids(ids)
         _check_tensor("values", V, ids)
         _check_float("values", V, ids >= 0)
         V, ids = V.detach().to("cpu", torch.float64), ids.detach().cpu()
-        rows += [(V[b][ids[b] >= 0], ids[b][ids[b] >= 0]) for b in range(V.shape[0])]
-    share_tok, share_eq, exceeds, jump_exceeds = [], [], [], []
-    sq_boundary = sq_all = 0.0
-    n_turns = n_single = n_constant = 0
-    for v, t in rows:                                                          # action tokens only
-        K = int(t.max()) + 1 if t.numel() else 0
-        if K == 1:
-            n_single += 1
-        if K < 2:
-            continue
-        if bool((v == v[0]).all()):
-            n_constant += 1
-            continue
-        n_turns += K
-        dv = v[1:] - v[:-1]
-        crossing = t[1:] != t[:-1]                                             # K - 1 boundary pairs
-        sq_all += float((dv ** 2).sum())
-        sq_boundary += float((dv[crossing] ** 2).sum())
-        turns = [v[t == k] for k in range(K)]
-        L = torch.tensor([float(x.numel()) for x in turns], dtype=torch.float64)
-        m = torch.stack([x.mean() for x in turns])                             # (K,) turn means
-        between = float((L * (m - v.mean()) ** 2).sum())
-        within = float(sum(((x - x.mean()) ** 2).sum() for x in turns))
-        share_tok.append(between / (between + within))
-        var_between_eq = float(m.var(unbiased=False))
-        var_within_eq = float(torch.stack([x.var(unbiased=False) for x in turns]).mean())
-        share_eq.append(var_between_eq / (var_between_eq + var_within_eq))
-        exceeds.append(between > within)
-        span = torch.stack([x.quantile(0.95) - x.quantile(0.05) for x in turns]).mean()
-        jump_exceeds.append(float(dv[crossing].abs().mean()) > float(span))
+        for b in range(V.shape[0]):
+            v, t = V[b][ids[b] >= 0], ids[b][ids[b] >= 0]                     # action tokens only
+            K = int(t.max()) + 1 if t.numel() else 0
+            n_single += K == 1
+            if K >= 2 and bool((v == v[0]).all()):
+                n_constant += 1
+            elif K >= 2:
+                rows.append((K, _row_value_structure(v, t, K)))
+    cols = list(zip(*[r for _, r in rows])) or [()] * 6
 
     def median(xs):                 # the usual median: the mean of the two middle values if even
         xs = sorted(xs)
@@ -997,14 +952,13 @@ def turn_value_structure(values, turn_ids) -> dict[str, float]:
     def frac(xs):
         return sum(xs) / len(xs) if xs else math.nan
 
+    sq_all = sum(cols[5])
     return {
-        "between_share_token_median": median(share_tok),
-        "between_share_equal_median": median(share_eq),
-        "between_exceeds_within_frac": frac(exceeds),
-        "boundary_share_sq_changes": sq_boundary / sq_all if sq_all > 0 else math.nan,
-        "boundary_jump_exceeds_span_frac": frac(jump_exceeds),
-        "n_trajectories": len(share_tok),
-        "n_turns": n_turns,
-        "n_single_turn": n_single,
-        "n_constant": n_constant,
+        "between_share_token_median": median(cols[0]),
+        "between_share_equal_median": median(cols[1]),
+        "between_exceeds_within_frac": frac(cols[2]),
+        "boundary_share_sq_changes": sum(cols[4]) / sq_all if sq_all > 0 else math.nan,
+        "boundary_jump_exceeds_span_frac": frac(cols[3]),
+        "n_trajectories": len(rows), "n_turns": sum(K for K, _ in rows),
+        "n_single_turn": int(n_single), "n_constant": n_constant,
     }

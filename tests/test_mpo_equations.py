@@ -484,3 +484,63 @@ def test_mpo_advantages_num_turns_bound_changes_nothing():
         torch.testing.assert_close(got, ref, rtol=0, atol=1e-12)
     with pytest.raises(ValueError, match="num_turns"):
         mpo.mpo_advantages(rewards, values, turn_ids, num_turns=2)
+
+
+@pytest.mark.parametrize("critic_target", ["mae", "lambda_return"])
+def test_mpo_advantages_is_the_composition_of_the_equation_functions(monkeypatch, critic_target):
+    """One path: mpo_advantages calls (M1), (M2), (M3), (M4), Eq. (20), (M5) (and the λ-return
+    when it is the critic target), each once, in the paper's order, and its numbers are theirs:
+    a wrapper that adds 1e-3 to one function's output moves the advantages."""
+    b = make_batch(Layout([RowLayout(2, [5, 7, 3], [2, 3, 1], True), RowLayout(0, [9], [0], False)],
+                          extra_pad=2), seed=3)
+    names = ["token_td_residuals", "turn_residual_sums", "turn_gae", "intra_turn_traces",
+             "mae_projection", "masked_whiten"]
+    if critic_target == "lambda_return":
+        names.insert(5, "multiscale_lambda_returns")
+    calls = []
+    for name in names:
+        fn = getattr(mpo, name)
+        monkeypatch.setattr(mpo, name, lambda *a, _fn=fn, _name=name, **k: (calls.append(_name),
+                                                                              _fn(*a, **k))[1])
+    adv, ret = mpo.mpo_advantages(b.rewards, b.values, b.turn_ids, critic_target=critic_target)
+    assert calls == names
+    monkeypatch.undo()
+    e_adv, e_ret = mpo.mpo_advantages(b.rewards, b.values, b.turn_ids, critic_target=critic_target)
+    assert torch.equal(adv, e_adv) and torch.equal(ret, e_ret)
+    intra = mpo.intra_turn_traces
+    monkeypatch.setattr(mpo, "intra_turn_traces", lambda *a, **k: intra(*a, **k) + 1e-3 * (
+        a[1] >= 0) * torch.arange(a[1].shape[1], dtype=torch.float64))
+    moved, _ = mpo.mpo_advantages(b.rewards, b.values, b.turn_ids, critic_target=critic_target)
+    assert float((moved - e_adv).abs().max()) > 1e-4
+
+
+def test_policy_loss_at_turn_level_calls_turn_ratio(monkeypatch):
+    """policy_loss builds its turn level on turn_ratio: a counting wrapper sees the call, and a
+    wrapper that doubles the ratio changes the loss."""
+    b = make_batch(Layout([RowLayout(2, [4, 3], [2, 1], False)]), seed=1, log_ratio_scale=0.05)
+    A = torch.randn(b.logp.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    base, _ = mpo.policy_loss(b.logp, b.old_logp, A, b.turn_ids)
+    calls, fn = [], mpo.turn_ratio
+    monkeypatch.setattr(mpo, "turn_ratio", lambda *a, **k: (calls.append(1), 0.5 * fn(*a, **k))[1])
+    halved, _ = mpo.policy_loss(b.logp, b.old_logp, A, b.turn_ids)
+    assert calls == [1] and not torch.isclose(halved, base)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("critic_target", ["mae", "lambda_return"])
+def test_mpo_advantages_never_synchronises_without_validation_given_num_turns(critic_target):
+    """On a GPU, validate=False with num_turns given makes no host synchronisation (torch raises
+    under sync debug mode "error" if one happens)."""
+    b = make_batch(Layout([RowLayout(2, [5, 7, 3], [2, 3, 1], True), RowLayout(0, [9], [0], False)],
+                          extra_pad=2), seed=3)
+    r, v, ids = b.rewards.cuda(), b.values.cuda(), b.turn_ids.cuda()
+    expected = mpo.mpo_advantages(b.rewards, b.values, b.turn_ids, critic_target=critic_target)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = mpo.mpo_advantages(r, v, ids, num_turns=3, validate=False,
+                                 critic_target=critic_target)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for g, e in zip(got, expected):
+        close(g.cpu(), e, atol=1e-10)
