@@ -442,10 +442,22 @@ def generate_turns(model, tok, prompts: list[list[int]], cfg: Config, greedy: bo
         out = model.generate(input_ids=ids.to(model.device), attention_mask=attn.to(model.device),
                              generation_config=gen, logits_processor=only_tokenizer_ids,
                              **({"tokenizer": tok} if stop_strings else {}))
-        for row in out[:, width:].tolist():     # ids up to and including the first stop id
-            end = next((i + 1 for i, t in enumerate(row) if t in stop_ids), len(row))
-            out_turns.append(row[:end])
+        out_turns += [sampled_turn(row, stop_ids, tok, stop_strings)
+                      for row in out[:, width:].tolist()]
     return out_turns
+
+
+def sampled_turn(row: list[int], stop_ids, tok, stop_strings: tuple[str, ...] = ()) -> list[int]:
+    """The ids the policy sampled in one row of `generate`'s output: up to and including the
+    first stop id or the token that completes the first stop string, whichever comes first.
+    `generate` pads a row whose stop string matched with pad_token_id until the whole batch
+    stops; the pad is a stop id but was never sampled, so it must not become an action token
+    (nor, with Qwen's pad <|endoftext|> != <|im_end|>, part of the context)."""
+    end = next((i + 1 for i, t in enumerate(row) if t in stop_ids), len(row))
+    for i in range(end if stop_strings else 0):          # the first prefix holding a stop string
+        if any(s in tok.decode(row[:i + 1]) for s in stop_strings):
+            return row[:i + 1]
+    return row[:end]
 
 
 def rollout(model, tok, suite: Suite, tasks: list, cfg: Config, n: int,

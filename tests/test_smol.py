@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import mpo
 import presets
 import search_env
 import train_min
@@ -125,7 +126,10 @@ def test_rollout_keeps_sampled_ids_exactly_and_masks_observations(tok, suite):
         assert t.reward == 1.0 and t.n_turns == 3                # the env read the decoded turns
         for k, turn in enumerate(script):
             pos = [p for p, tid in enumerate(t.turn_ids) if tid == k]
-            assert [t.ids[p] for p in pos] == turn               # sampled ids, kept exactly
+            # sampled ids, kept exactly; an end-of-turn after a matched stop string is a pad
+            # that generate adds (the row has stopped), not a sampled token: not kept
+            turn = turn[:-1] if turn[-1] == tok.eos_token_id else turn
+            assert [t.ids[p] for p in pos] == turn
             assert pos == list(range(pos[0], pos[0] + len(turn)))
         masked = tok.decode([i for i, tid in zip(t.ids, t.turn_ids) if tid < 0])
         assert "<information>Doc 1:" in masked and f"<search>{first}" not in masked
@@ -240,3 +244,64 @@ def test_warm_start_through_frozen_layers_equals_the_full_forward(tiny_llama, su
         init_lora_weights=False))
     start = {n: p for n, p in untouched.named_parameters() if "lora_" in n}
     assert max((trained[0][n] - p).abs().max().item() for n, p in start.items()) > 1e-3
+
+
+# --- generate pads rows that finished: those pads are not sampled tokens (issue 26) ---
+
+def test_sampled_turn_stops_at_the_stop_string_not_at_the_pad_after_it(tok):
+    im_end, endoftext = tok.convert_tokens_to_ids([IM_END, "<|endoftext|>"])
+    search = char_ids(tok, "<search>capital of Norway</search>")
+    stops = ("</search>", "</answer>")
+    # SmolLM2: pad = <|im_end|>, a stop id; the row finished on its stop string, then got pads
+    assert train_min.sampled_turn(search + [im_end] * 4, {im_end}, tok, stops) == search
+    # a Qwen-like tokenizer: pad <|endoftext|> differs from the end of turn; both are stop ids
+    assert train_min.sampled_turn(search + [endoftext] * 3, {im_end, endoftext}, tok,
+                                  stops) == search
+    # a sampled end-of-turn before any stop string is the policy's own token: kept
+    text = char_ids(tok, "I do not know")
+    assert train_min.sampled_turn(text + [im_end, im_end], {im_end}, tok, stops) == text + [im_end]
+    # no stop at all (the token budget ran out): the whole row
+    assert train_min.sampled_turn(text, {im_end}, tok, stops) == text
+    # without stop strings the first stop id ends the turn (the earlier rule)
+    assert train_min.sampled_turn(search + [im_end] * 2, {im_end}, tok) == search + [im_end]
+
+
+class PaddingPolicy(ScriptedPolicy):
+    """Like ScriptedPolicy, but as `generate` does in a batch: every row gets script[k] of its
+    own (rows finish at different steps) and the rows that finished early are padded with
+    pad_id up to the longest."""
+
+    def generate(self, input_ids, attention_mask, generation_config, **kwargs):
+        turns = self.script[self.calls][:input_ids.shape[0]]
+        self.calls += 1
+        width = max(map(len, turns))
+        new = torch.tensor([t + [self.pad_id] * (width - len(t)) for t in turns])
+        return torch.cat([input_ids, new], dim=1)
+
+
+def test_rollout_trains_no_pad_after_a_stop_string_and_puts_the_reward_on_a_sampled_token(
+        tok, suite):
+    cfg, s = suite
+    q = s.train[0]
+    first, second = q.gold_queries
+    answer = char_ids(tok, f"<answer>{q.answer}</answer>")
+    script = [[char_ids(tok, f"<search>{first}</search>"),            # row 0 finishes first
+               char_ids(tok, f"<search>{first} </search>")],
+              [char_ids(tok, f"<search>{second}</search>"),
+               char_ids(tok, f"<search>{second} please</search>")],
+              [answer, answer + char_ids(tok, " ")]]
+    trajs = train_min.rollout(PaddingPolicy(script, tok.pad_token_id, len(tok)), tok, s, [q],
+                              cfg, n=2)
+    im_end = tok.convert_tokens_to_ids(IM_END)
+    for row, t in enumerate(trajs):
+        for k in range(3):
+            pos = [p for p, tid in enumerate(t.turn_ids) if tid == k]
+            expected = script[k][row][:len(answer)] if k == 2 else script[k][row]
+            assert [t.ids[p] for p in pos] == expected, (row, k)   # no pad among the actions
+            if k < 2:                              # the template closes the turn, once
+                assert t.ids[pos[-1] + 1] == im_end and t.turn_ids[pos[-1] + 1] == -1
+        assert t.reward == 1.0
+        batch = train_min.collate([t], tok.pad_token_id, torch.device("cpu"))
+        rewards = mpo.outcome_rewards(torch.tensor([t.reward]), batch["turn_ids"])
+        last = max(p for p, tid in enumerate(t.turn_ids) if tid >= 0)
+        assert rewards[0, last] == 1.0 and t.ids[last] == answer[-1]  # R on the sampled '>'
