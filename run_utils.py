@@ -137,6 +137,14 @@ def data_order(n: int, seed: int, epoch: int) -> list[int]:
     return np.random.default_rng([seed, epoch]).permutation(n).tolist()
 
 
+def questions_at(n: int, seed: int, start: int, count: int) -> list[int]:
+    """The training questions at global positions start .. start + count − 1: position p is
+    question data_order(n, seed, p // n)[p % n], so every epoch is a fresh permutation and a
+    step that straddles an epoch boundary ends the old epoch and begins the new one (each
+    question once per epoch), however n and count divide."""
+    return [data_order(n, seed, p // n)[p % n] for p in range(start, start + count)]
+
+
 def cpu_4bit_workaround(model) -> None:
     """bitsandbytes on CPU repacks 4-bit weights after an eval-mode forward, which then breaks
     backward (Qwen2) or silently corrupts LoRA gradients (Qwen3); see stack notes. GPUs: no-op."""

@@ -42,9 +42,9 @@ import mpo
 import presets
 import search_env
 from run_utils import (ConfigError, MetricsLog, StopFlag, check_out_dir, cpu_4bit_workaround,
-                       data_order, episode_stats, eval_config, eval_only, load_tokenizer,
+                       episode_stats, eval_config, eval_only, load_tokenizer,
                        log_line, parse_with_presets, resume, save_checkpoint, seed_everything,
-                       setup_device, start_step, step_metrics)
+                       questions_at, setup_device, start_step, step_metrics)
 
 VARIANTS = ("mpo", "mpo_token_is", "mpo_beta0", "ppo", "grpo", "gspo", "vapo")
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -671,10 +671,9 @@ def train(argv: list[str]) -> dict:
     for step in bar:
         t0 = start_step(device)         # run_utils: the clock; restarts the GPU's peak memory
         # --- rollout: the next questions in data order, n_rollouts episodes each ---
-        start = step * cfg.questions_per_step
-        order = data_order(len(suite.train), cfg.seed, start // len(suite.train))
-        tasks = [suite.train[order[(start + i) % len(order)]]
-                 for i in range(cfg.questions_per_step)]
+        tasks = [suite.train[i] for i in questions_at(len(suite.train), cfg.seed,
+                                                       step * cfg.questions_per_step,
+                                                       cfg.questions_per_step)]
         trajs = rollout(model, tok, suite, tasks, cfg, cfg.n_rollouts)
         batch = collate(trajs, tok.pad_token_id, device)
         score_batch(model, value_head, batch, cfg)
@@ -701,7 +700,8 @@ def train(argv: list[str]) -> dict:
         if done % cfg.save_every == 0 or done == cfg.steps or stop.stop:
             save_checkpoint(out, model, value_head, opt, {
                 "step": done, "questions_seen": done * cfg.questions_per_step,
-                "data_order": "data_order(n_train, seed, epoch)", "config": asdict(cfg)})
+                "data_order": "questions_at(n_train, seed, step * q_per_step, q_per_step)",
+                "config": asdict(cfg)})
         if stop.stop:
             print(f"stopped at step {done}; resume with --resume", file=sys.stderr)
             break

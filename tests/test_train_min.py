@@ -690,3 +690,22 @@ def test_eval_only_scores_a_checkpoint_and_the_base_model(e2e, full_run, base):
         assert len(written) == 1 and json.loads(written[0].read_text()) == row
     with pytest.raises(SystemExit, match="--eval_only needs --checkpoint"):
         run_main(args + ["--out_dir", str(base / "eval_none")])
+
+
+def test_questions_by_global_position_cover_each_epoch_once_across_boundaries():
+    """200 questions, 16 a step: steps 12 and 25 straddle epoch boundaries (positions 192-207,
+    400-415). Every epoch is a fresh permutation and each question is asked once per epoch; the
+    old rule (one epoch's order for the whole step) repeated 8 questions and skipped 8."""
+    from run_utils import data_order, questions_at
+    n, per_step, seed = 200, 16, 0
+    asked = [q for step in range(38) for q in questions_at(n, seed, step * per_step, per_step)]
+    assert len(asked) == 38 * 16 == 608
+    for epoch in range(3):
+        block = asked[epoch * n:(epoch + 1) * n]
+        assert sorted(block) == list(range(n)), epoch              # each question once
+        assert block == data_order(n, seed, epoch)                 # in that epoch's order
+    assert data_order(n, seed, 0) != data_order(n, seed, 1)
+    straddle = questions_at(n, seed, 12 * per_step, per_step)      # positions 192..207
+    assert straddle == data_order(n, seed, 0)[192:] + data_order(n, seed, 1)[:8]
+    old = [data_order(n, seed, 192 // n)[(192 + i) % n] for i in range(per_step)]
+    assert old != straddle and len(set(old) & set(data_order(n, seed, 0)[:8])) == 8
