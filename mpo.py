@@ -703,7 +703,8 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     With `clip` = c: per token max((V − R)², (V_clip − R)²), V_clip = V_old + clamp(V − V_old,
     −c, c).
     N as in `policy_loss` (`num_tokens` for gradient accumulation). The targets R are the
-    `returns` of `mpo_advantages` (values + A^MAE), read at action tokens.
+    `returns` of `mpo_advantages`, read at action tokens: V + A^MAE (critic_target="mae") or the
+    multi-scale λ-return G (critic_target="lambda_return", train_min.py's default).
     """
     if validate:
         _check_turn_ids(turn_ids)

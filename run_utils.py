@@ -107,6 +107,10 @@ def check_config(cfg) -> None:
     if cfg.variant in ("grpo", "gspo") and cfg.n_rollouts < 2:
         raise ConfigError(f"--variant {cfg.variant} needs --n_rollouts >= 2: the group-relative "
                           "advantages of a group of one episode are all zero")
+    if cfg.variant == "vapo" and cfg.vapo_value_steps >= cfg.steps and not cfg.eval_only:
+        raise ConfigError(f"--vapo_value_steps {cfg.vapo_value_steps} leaves no policy update in "
+                          f"--steps {cfg.steps} (the first {cfg.vapo_value_steps} train the "
+                          "critic only): lower --vapo_value_steps or raise --steps")
     if cfg.checkpoint and not cfg.eval_only:
         raise ConfigError("--checkpoint is read only by --eval_only: add --eval_only, or continue "
                           "a run with --resume --out_dir RUN")

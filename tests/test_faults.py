@@ -276,6 +276,7 @@ BAD_FLAGS = [
     (["--dual_clip", "inf"], r"--dual_clip must be 0 \(off\) or > 1"),
     (["--vapo_alpha", "0"], "--vapo_alpha must be > 0"),
     (["--vapo_value_steps", "-1"], "--vapo_value_steps must be >= 0"),
+    (["--variant", "vapo"], r"--vapo_value_steps 50 leaves no policy update in --steps \d+"),
 ]
 
 
