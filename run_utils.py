@@ -56,6 +56,12 @@ def parse_with_presets(config_cls, argv=None):
     if unknown:
         raise ConfigError(f"unexpected argument {unknown[0]!r}; flags take the form --name value")
     given = given_flags(argv)
+    if "preset" not in given and not cfg.device and not torch.cuda.is_available():
+        # `python train_min.py` on a machine without a GPU: the CPU demo on a real model
+        print("No CUDA GPU found: running the CPU demo, --preset smol (SmolLM2-135M-Instruct); "
+              "the default run needs a 24 GB GPU (--preset default --device cpu forces it here).",
+              file=sys.stderr)
+        cfg.preset = "smol"
     preset = presets.PRESETS[cfg.preset]
     for opts in options:
         if type(opts) is preset.options:
@@ -124,7 +130,7 @@ def setup_device(cfg) -> torch.device:
     one hint when the default (GPU) run finds no GPU."""
     if cfg.preset == "default" and not torch.cuda.is_available() and cfg.device != "cpu":
         print("No CUDA GPU found: the default run needs one (24 GB). On this machine run "
-              "`python train_min.py --preset tiny` for the CPU demo of the whole loop.",
+              "`python train_min.py --preset smol`, the CPU demo on a real model.",
               file=sys.stderr)
         raise SystemExit(2)
     device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))

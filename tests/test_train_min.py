@@ -613,12 +613,24 @@ def test_same_seed_gives_the_same_run_whether_or_not_the_tiny_model_was_cached(e
 # CLI failure modes
 # ---------------------------------------------------------------------------------------------
 
-def test_default_run_without_gpu_exits_2_with_one_hint(tmp_path):
+def test_plain_command_without_gpu_runs_the_smol_demo(monkeypatch, capsys):
+    """`python train_min.py` on a CPU machine does the main job on the embedded real model
+    (--preset smol), saying so in one line; an explicit --preset or --device is obeyed."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cfg = train_min.parse_config([])
+    assert cfg.preset == "smol" and cfg.max_hops == 1 and cfg.n_val == 64   # the preset applied
+    assert capsys.readouterr().err.count("--preset smol") == 1
+    assert train_min.parse_config(["--preset", "default"]).preset == "default"
+    assert train_min.parse_config(["--device", "cpu"]).preset == "default"
+    assert train_min.parse_config(["--preset", "tiny"]).preset == "tiny"
+
+
+def test_explicit_default_run_without_gpu_exits_2_with_one_hint(tmp_path):
     env = dict(os.environ, HF_HUB_OFFLINE="1", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, str(ROOT / "train_min.py")], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, str(ROOT / "train_min.py"), "--preset", "default"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr
-    hint = [line for line in proc.stderr.splitlines() if "--preset tiny" in line]
+    hint = [line for line in proc.stderr.splitlines() if "--preset smol" in line]
     assert len(hint) == 1, proc.stderr
     assert "Traceback" not in proc.stderr + proc.stdout
     assert list(tmp_path.iterdir()) == []          # no run folder created
