@@ -72,6 +72,9 @@ def parse_with_presets(config_cls, argv=None):
     for k, v in preset.overrides.items():
         if k not in given:
             setattr(cfg, k, v)
+    vapo_default = cfg.variant == "vapo" and "vapo_value_steps" not in given
+    if vapo_default and cfg.vapo_value_steps >= cfg.steps:
+        cfg.vapo_value_steps = cfg.steps // 2     # VAPO's default 50 would leave no policy update
     check_config(cfg)                   # the preset's values are checked like the user's
     return cfg
 
@@ -114,6 +117,7 @@ def check_config(cfg) -> None:
         raise ConfigError(f"--variant {cfg.variant} needs --n_rollouts >= 2: the group-relative "
                           "advantages of a group of one episode are all zero")
     if cfg.variant == "vapo" and cfg.vapo_value_steps >= cfg.steps and not cfg.eval_only:
+        # (a default above the run is halved in parse_with_presets; a given one is refused)
         raise ConfigError(f"--vapo_value_steps {cfg.vapo_value_steps} leaves no policy update in "
                           f"--steps {cfg.steps} (the first {cfg.vapo_value_steps} train the "
                           "critic only): lower --vapo_value_steps or raise --steps")

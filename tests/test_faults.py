@@ -276,7 +276,8 @@ BAD_FLAGS = [
     (["--dual_clip", "inf"], r"--dual_clip must be 0 \(off\) or > 1"),
     (["--vapo_alpha", "0"], "--vapo_alpha must be > 0"),
     (["--vapo_value_steps", "-1"], "--vapo_value_steps must be >= 0"),
-    (["--variant", "vapo"], r"--vapo_value_steps 50 leaves no policy update in --steps \d+"),
+    (["--variant", "vapo", "--vapo_value_steps", "9"],
+     r"--vapo_value_steps 9 leaves no policy update in --steps \d+"),
 ]
 
 
@@ -313,6 +314,14 @@ def test_the_step_line_prints_validation_reward_next_to_pass_at_1():
            "time/step_s": 1.0, "tokens_per_s": 10.0, "mem/peak_gb": float("nan")}
     line = run_utils.log_line(row, {})
     assert "val pass@1 1.000 reward 0.750" in line
+
+
+def test_vapo_default_value_steps_above_the_run_are_halved_and_a_given_count_is_kept():
+    cfg = train_min.parse_config(["--preset", "tiny", "--variant", "vapo"])
+    assert 0 < cfg.steps < 50 and cfg.vapo_value_steps == cfg.steps // 2
+    cfg = train_min.parse_config(["--preset", "tiny", "--variant", "vapo", "--vapo_value_steps", "1"])
+    assert cfg.vapo_value_steps == 1
+    assert train_min.parse_config(["--variant", "vapo", "--device", "cpu"]).vapo_value_steps == 50
 
 
 def test_every_preset_and_variant_passes_the_config_checks():
