@@ -82,6 +82,11 @@ def _check_float(name: str, x: torch.Tensor, mask: torch.Tensor | None = None) -
         raise ValueError(f"{name} holds NaN or inf at {int(bad.sum())} action position(s)")
 
 
+def _turn_starts(turn_ids: torch.Tensor) -> torch.Tensor:
+    """(B, T) bool: True on the first token of each run of equal non-negative ids (a turn)."""
+    return (turn_ids >= 0) & (turn_ids != F.pad(turn_ids[:, :-1], (1, 0), value=-1))
+
+
 def _check_turn_ids(turn_ids) -> int:
     """Check the turn layout (contiguous turns numbered 0, 1, 2, ... in each row) and return K,
     the most turns of any row (0 if there is none)."""
@@ -97,7 +102,7 @@ def _check_turn_ids(turn_ids) -> int:
     # valid iff every run's id is its rank among the row's runs: a turn split by -1 (two runs,
     # one id), a gap and a wrong order all show up as a run whose id is not its rank.
     act = ids >= 0
-    starts = act & (ids != F.pad(ids[:, :-1], (1, 0), value=-1))             # (B, T)
+    starts = _turn_starts(ids)                                                # (B, T)
     rank = torch.cumsum(starts, dim=1) - 1                                    # (B, T) run number
     bad = act & (ids != rank)
     if bool(bad.any()):
@@ -540,6 +545,7 @@ def mpo_advantages(rewards: torch.Tensor, values: torch.Tensor, turn_ids: torch.
         K = _validate_rewards_values(rewards, values, turn_ids)
         if num_turns is not None and num_turns < K:
             raise ValueError(f"num_turns={num_turns} but turn_ids holds {K} turns")
+        num_turns = K if num_turns is None else num_turns      # read once, by validation
     act = turn_ids >= 0
     delta = token_td_residuals(rewards, values, turn_ids, validate=False)            # (M1) (B, T)
     delta_turn, turn_mask = turn_residual_sums(delta, turn_ids, num_turns, validate=False)  # (M2)
@@ -678,7 +684,7 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     n = n_act if num_tokens is None else torch.as_tensor(num_tokens, device=logp.device)
     loss = _masked(term, act, dtype).sum() / n
     with torch.no_grad():
-        first = act & (turn_ids != F.pad(turn_ids[:, :-1], (1, 0), value=-1))  # a turn's 1st token
+        first = _turn_starts(turn_ids)                                        # a turn's 1st token
         rho_t = rho_turn.detach()
         outside = (rho_t < 1 - eps_low) | (rho_t > 1 + eps_high)
         ratio_act = _masked(ratio.detach(), act, dtype)
