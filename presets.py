@@ -191,6 +191,7 @@ TINY = dict(  # a CPU demo of the whole loop, not a result: random weights learn
     max_hops=1, max_turns=3, max_new_tokens=24, max_total_tokens=768, minibatches=2,
     micro_batch_size=4, eval_every=2, eval_samples=2, save_every=2, lora_r=4, lora_alpha=8,
     lr_policy=1e-3, cpu_threads=1, lr_critic=1e-3, gradient_checkpointing=False,
+    dtype="float32",    # a tiny model is overhead-bound: bf16 buys nothing (0.2-0.3 s/step both)
 )
 SMALL_KB = dict(n_people=24, n_organisations=8, n_cities=6, n_regions=3)   # search_env sizes
 
@@ -309,7 +310,8 @@ def smol_suite(cfg):
 
 
 # One-hop questions, one document per search, LoRA on the top 8 of 30 layers (the 22 below run
-# once per batch, see train_min.frozen_states), float32 (on this CPU 4-bit is slower: docs/smol.md).
+# once per batch, see train_min.frozen_states), bf16 where the CPU has bf16 units (--dtype auto;
+# 4-bit is slower on a CPU: docs/smol.md).
 SMOL = dict(
     model="smol", load_in_4bit=False, gradient_checkpointing=False, lora_layers=8,
     steps=20, n_train=200, n_val=64, min_hops=1, max_hops=1, top_k=1, max_turns=3,
@@ -351,6 +353,7 @@ TESTBED = dict(
     max_total_tokens=1024, minibatches=2, micro_batch_size=64, rollout_batch_size=64,
     eval_every=5, greedy_eval=True, structure_every=10, save_every=1000, lora_r=8, lora_alpha=16,
     lr_policy=3e-3, lr_critic=3e-3, lr_value_head=3e-3, temperature=0.25, kl_coef=0.1,
+    dtype="float32",    # tiny matmuls: bf16 is no faster here (0.2 vs 0.2-0.3 s/step, measured)
 )
 
 

@@ -156,7 +156,29 @@ def questions_at(n: int, seed: int, start: int, count: int) -> list[int]:
     question data_order(n, seed, p // n)[p % n], so every epoch is a fresh permutation and a
     step that straddles an epoch boundary ends the old epoch and begins the new one (each
     question once per epoch), however n and count divide."""
-    return [data_order(n, seed, p // n)[p % n] for p in range(start, start + count)]
+    orders = {e: data_order(n, seed, e) for e in range(start // n, (start + count - 1) // n + 1)}
+    return [orders[p // n][p % n] for p in range(start, start + count)]
+
+
+def cpu_has_bf16(cpuinfo: str | Path = "/proc/cpuinfo") -> bool:
+    """Whether this CPU multiplies bfloat16 matrices in hardware: x86 AVX512-BF16 or AMX-BF16,
+    Arm's BF16 extension (Linux /proc/cpuinfo flags). False where the flags cannot be read:
+    float32 is the safe choice there (bfloat16 emulated in software is slower than float32)."""
+    try:
+        flags = set(Path(cpuinfo).read_text().split())
+    except OSError:
+        return False
+    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def compute_dtype(cfg, device: torch.device) -> torch.dtype:
+    """The base model's weights and matmuls: --dtype, or with auto bfloat16 on a GPU and on a
+    CPU with bfloat16 units (cpu_has_bf16; SmolLM2's step ~2x faster there, docs/smol.md),
+    float32 elsewhere. LoRA weights, optimiser state, the value head, log-softmax, ratios and
+    advantages stay float32 whatever this says (load_model, chunk_logprobs)."""
+    if cfg.dtype != "auto":
+        return getattr(torch, cfg.dtype)
+    return torch.bfloat16 if device.type == "cuda" or cpu_has_bf16() else torch.float32
 
 
 def cpu_4bit_workaround(model) -> None:
@@ -473,18 +495,20 @@ def start_step(device: torch.device) -> float:
     return time.perf_counter()
 
 
-def step_metrics(step: int, trajs: list, n: int, batch: dict, stats: dict, t_rollout: float,
-                 t_step: float, device: torch.device) -> dict[str, float]:
+def step_metrics(step: int, trajs: list, n: int, batch: dict, stats: dict, times: dict,
+                 device: torch.device) -> dict[str, float]:
     """The metrics row of training step `step`: statistics of its n episodes per question
     (train/), the update's means (loss/), the advantages over action tokens (adv/), wall times
-    (time/), rollout tokens per second and the step's peak GPU memory (mem/peak_gb; CPU: nan)."""
+    (time/: `times` holds the seconds of generate, score and update), rollout tokens per second
+    and the step's peak GPU memory (mem/peak_gb; CPU: nan)."""
     act = batch["turn_ids"] >= 0
     adv = batch["advantages"][act]
     return {"step": step, **episode_stats(trajs, n, "train/"),
             **{f"loss/{k}": v for k, v in stats.items()},
             "adv/mean": float(adv.mean()), "adv/std": float(adv.std()),
-            "time/rollout_s": t_rollout, "time/update_s": t_step - t_rollout,
-            "time/step_s": t_step, "tokens_per_s": float(act.sum()) / t_rollout,
+            **{f"time/{k}_s": v for k, v in times.items()},
+            "time/step_s": sum(times.values()),
+            "tokens_per_s": float(act.sum()) / times["generate"],
             "mem/peak_gb": (torch.cuda.max_memory_allocated() / 2**30
                             if device.type == "cuda" else float("nan"))}
 

@@ -41,8 +41,8 @@ from torch.utils.checkpoint import checkpoint
 import mpo
 import presets
 import search_env
-from run_utils import (ConfigError, MetricsLog, StopFlag, check_out_dir, cpu_4bit_workaround,
-                       episode_stats, eval_config, eval_only, load_tokenizer,
+from run_utils import (ConfigError, MetricsLog, StopFlag, check_out_dir, compute_dtype,
+                       cpu_4bit_workaround, episode_stats, eval_config, eval_only, load_tokenizer,
                        log_line, parse_with_presets, resume, save_checkpoint, seed_everything,
                        questions_at, setup_device, start_step, step_metrics)
 
@@ -75,6 +75,9 @@ class Config:
     gradient_checkpointing: bool = arg(True, "recompute activations in backward to fit 24 GB")
     enable_thinking: bool = arg(False, "Qwen3 chat template: allow <think> blocks")
     lora_layers: int = arg(0, "adapt only the top N decoder layers (0: all); see frozen_states")
+    dtype: str = arg("auto", "base model compute dtype: auto (bfloat16 on a GPU or a CPU with "
+                     "bf16 units, else float32) | bfloat16 | float32; LoRA, optimiser, value "
+                     "head, log-probs and advantages stay float32")
     # --- data / environment ---
     dataset: str = arg("synthetic", "synthetic (a fictional KB) | hotpotqa | testbed (its preset)")
     hotpotqa_path: str = arg("", "local HotpotQA JSON (else the hub via `datasets`)")
@@ -132,6 +135,7 @@ class Config:
     def __post_init__(self):            # counts and ranges: run_utils.check_config
         for flag, allowed in (("variant", VARIANTS), ("preset", tuple(presets.PRESETS)),
                               ("dataset", ("synthetic", "hotpotqa", "testbed")),
+                              ("dtype", ("auto", "bfloat16", "float32")),
                               ("critic_target", mpo.CRITIC_TARGETS)):
             if getattr(self, flag) not in allowed:
                 raise ValueError(f"--{flag} must be one of {allowed}, got {getattr(self, flag)!r}")
@@ -176,14 +180,14 @@ def load_model(cfg: Config, device: torch.device):
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
     tok = load_tokenizer(cfg.model)     # run_utils: left-padded; a built model's as it was saved
-    compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    kwargs = {"dtype": compute_dtype}
+    dtype = compute_dtype(cfg, device)  # run_utils: --dtype, auto = bf16 where the chip has it
+    kwargs = {"dtype": dtype}
     if cfg.load_in_4bit:
         if importlib.util.find_spec("bitsandbytes") is None:
             raise SystemExit("--load_in_4bit needs bitsandbytes: pip install -r requirements.txt")
         kwargs["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=compute_dtype)
+            bnb_4bit_compute_dtype=dtype)
     base = AutoModelForCausalLM.from_pretrained(cfg.model, device_map={"": device}, **kwargs)
     if cfg.load_in_4bit:
         base = prepare_model_for_kbit_training(
@@ -200,7 +204,9 @@ def load_model(cfg: Config, device: torch.device):
     top = list(range(n_layers - cfg.lora_layers, n_layers)) if cfg.lora_layers else None
     lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=0.0,
                       task_type="CAUSAL_LM", target_modules=LORA_TARGETS, layers_to_transform=top)
-    model = get_peft_model(base, lora, adapter_name="policy")
+    # peft keeps the adapters' weights in float32 over a bf16 base (autocast_adapter_dtype), so
+    # their updates and AdamW state are float32; a layer's LoRA output is cast back to bf16.
+    model = get_peft_model(base, lora, adapter_name="policy", autocast_adapter_dtype=True)
     model.add_adapter("critic", lora)
     model.sampled_vocab = len(tok)      # ids past the tokenizer are never sampled: sampled_vocab
     value_head = ValueHead(base.config.hidden_size).to(device)
@@ -675,18 +681,20 @@ def train(argv: list[str]) -> dict:
                                                        step * cfg.questions_per_step,
                                                        cfg.questions_per_step)]
         trajs = rollout(model, tok, suite, tasks, cfg, cfg.n_rollouts)
+        t_generate = time.perf_counter()
         batch = collate(trajs, tok.pad_token_id, device)
         score_batch(model, value_head, batch, cfg)
-        t_rollout = time.perf_counter() - t0
+        t_score = time.perf_counter()
         # --- advantages ---
         batch["step"] = step                # VAPO's value pretraining reads it
         compute_advantages(batch, cfg)                               # MPO: Eq. (20) advantages
         # --- update ---
         stats = update(model, value_head, opt, batch, cfg)
-        t_step = time.perf_counter() - t0
+        times = {"generate": t_generate - t0, "score": t_score - t_generate,
+                 "update": time.perf_counter() - t_score}
         # --- evaluation / logging / checkpoint ---
         done = step + 1                 # step_metrics (run_utils): train/ loss/ adv/ time/ mem/
-        row = step_metrics(done, trajs, cfg.n_rollouts, batch, stats, t_rollout, t_step, device)
+        row = step_metrics(done, trajs, cfg.n_rollouts, batch, stats, times, device)
         if cfg.uses_critic:
             row["critic/explained_variance"] = float(mpo.explained_variance(
                 batch["values"], batch["returns"], batch["turn_ids"]))

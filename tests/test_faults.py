@@ -272,6 +272,7 @@ BAD_FLAGS = [
     (["--variant", "nope"], "--variant must be one of"),
     (["--eval_only"], "--eval_only needs --checkpoint"),
     (["--critic_target", "td"], "--critic_target must be one of"),
+    (["--dtype", "float16"], "--dtype must be one of"),
     (["--dual_clip", "0.5"], r"--dual_clip must be 0 \(off\) or > 1"),
     (["--dual_clip", "inf"], r"--dual_clip must be 0 \(off\) or > 1"),
     (["--vapo_alpha", "0"], "--vapo_alpha must be > 0"),

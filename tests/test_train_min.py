@@ -721,3 +721,89 @@ def test_questions_by_global_position_cover_each_epoch_once_across_boundaries():
     assert straddle == data_order(n, seed, 0)[192:] + data_order(n, seed, 1)[:8]
     old = [data_order(n, seed, 192 // n)[(192 + i) % n] for i in range(per_step)]
     assert old != straddle and len(set(old) & set(data_order(n, seed, 0)[:8])) == 8
+
+
+# ---------------------------------------------------------------------------------------------
+# --dtype: a bfloat16 base, with LoRA, optimiser state, value head and log-probs in float32
+# ---------------------------------------------------------------------------------------------
+
+def test_dtype_auto_follows_the_device_and_the_cpu_flags_and_a_flag_forces_either(
+        monkeypatch, tiny_path, base):
+    auto = make_cfg(tiny_path, base, "--dtype", "auto")
+    monkeypatch.setattr(run_utils, "cpu_has_bf16", lambda: True)
+    assert run_utils.compute_dtype(auto, CPU) == torch.bfloat16
+    monkeypatch.setattr(run_utils, "cpu_has_bf16", lambda: False)
+    assert run_utils.compute_dtype(auto, CPU) == torch.float32
+    assert run_utils.compute_dtype(auto, torch.device("cuda")) == torch.bfloat16
+    for name in ("float32", "bfloat16"):
+        forced = make_cfg(tiny_path, base, "--dtype", name)
+        assert run_utils.compute_dtype(forced, CPU) == getattr(torch, name)
+    assert make_cfg(tiny_path, base).dtype == "float32"          # the tiny preset's own choice
+    smol = train_min.parse_config(["--preset", "smol", "--out_dir", str(base / "unit")])
+    assert smol.dtype == "auto"
+    with pytest.raises(ValueError, match=r"--dtype must be one of \('auto', 'bfloat16'"):
+        make_cfg(tiny_path, base, "--dtype", "float16")
+
+
+def test_cpu_has_bf16_reads_the_cpu_flags(tmp_path):
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor : 0\nflags : fpu sse avx512f avx512_bf16 avx512vl\n")
+    assert run_utils.cpu_has_bf16(info)
+    info.write_text("processor : 0\nflags : fpu sse avx2 avx512f\n")
+    assert not run_utils.cpu_has_bf16(info)
+    info.write_text("Features : fp asimd bf16 i8mm\n")                     # Arm's extension
+    assert run_utils.cpu_has_bf16(info)
+    assert not run_utils.cpu_has_bf16(tmp_path / "missing")                # unreadable: float32
+
+
+@pytest.fixture(scope="module")
+def bf16_loaded(tiny_path, base):
+    """The tiny model with a bfloat16 base (not 4-bit, as the smol preset) and LoRA B randomised."""
+    cfg = make_cfg(tiny_path, base, "--dtype", "bfloat16", "--load_in_4bit", "false",
+                   "--minibatches", "2", "--micro_batch_size", "2")
+    tok, model, value_head = train_min.load_model(cfg, CPU)
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.copy_(0.05 * torch.randn(p.shape, generator=g))
+    return cfg, tok, model, value_head
+
+
+def test_bf16_base_trains_float32_lora_and_its_first_minibatch_ratio_is_exactly_one(
+        bf16_loaded, suite, monkeypatch):
+    cfg, tok, model, value_head = bf16_loaded
+    params = dict(model.named_parameters())
+    lora = {n: p for n, p in params.items() if "lora_" in n}
+    assert lora and all(p.dtype == torch.float32 for p in lora.values())
+    assert {p.dtype for n, p in params.items() if "lora_" not in n} == {torch.bfloat16}
+    assert all(p.dtype == torch.float32 for p in value_head.parameters())
+    torch.manual_seed(0)
+    trajs = train_min.rollout(model, tok, suite, suite.train[:3], cfg, 2)
+    batch = train_min.collate(trajs, tok.pad_token_id, CPU)
+    train_min.score_batch(model, value_head, batch, cfg)
+    assert batch["old_logp"].dtype == batch["values"].dtype == torch.float32
+    act = batch["turn_ids"] >= 0
+    assert act.sum() > 0 and batch["old_logp"][act].abs().min() > 0
+    g = torch.Generator().manual_seed(3)
+    batch["advantages"] = torch.where(act, torch.randn(act.shape, generator=g), 0.0)
+    batch["returns"] = torch.where(act, torch.randn(act.shape, generator=g), 0.0)
+    seen = []                           # (logp, old_logp) of every micro-batch of the update
+    real_loss = mpo.policy_loss
+
+    def recording(logp, old_logp, *args, **kw):
+        seen.append((logp.detach().clone(), old_logp.clone(), kw["turn_ids"] if "turn_ids" in kw
+                     else args[1]))
+        return real_loss(logp, old_logp, *args, **kw)
+
+    monkeypatch.setattr(mpo, "policy_loss", recording)
+    opt = train_min.make_optimizer(model, value_head, cfg)
+    stats = train_min.update(model, value_head, opt, batch, cfg)
+    assert len(seen) == 4               # 6 episodes: 2 minibatches of 3, micro-batches of 2 + 1
+    for logp, old, tid in seen[:2]:     # the first minibatch, re-scored in train mode beside
+        assert logp.dtype == torch.float32          # other rows than in scoring: bitwise equal
+        assert logp.dtype == torch.float32
+        assert torch.equal(logp[tid >= 0], old[tid >= 0])
+    assert math.isfinite(stats["policy_loss"]) and stats["grad_norm"] > 0
+    states = [s for s in opt.state.values()]
+    assert states and all(s["exp_avg"].dtype == torch.float32 for s in states)
