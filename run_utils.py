@@ -72,6 +72,8 @@ def parse_with_presets(config_cls, argv=None):
     for k, v in preset.overrides.items():
         if k not in given:
             setattr(cfg, k, v)
+    if cfg.max_turns == 0:              # the default: the hops' searches, then the answer
+        cfg.max_turns = cfg.max_hops + 1
     vapo_default = cfg.variant == "vapo" and "vapo_value_steps" not in given
     if vapo_default and cfg.vapo_value_steps >= cfg.steps:
         cfg.vapo_value_steps = cfg.steps // 2     # VAPO's default 50 would leave no policy update
@@ -495,6 +497,23 @@ def start_step(device: torch.device) -> float:
     return time.perf_counter()
 
 
+def within_turn_share(adv: torch.Tensor, turn_ids: torch.Tensor) -> float:
+    """A gate on the intra-turn correction: the share of the advantages' variance over action
+    tokens that lies within turns, Σ (A − mean of its turn)² / Σ (A − mean)². 0 when every token
+    of a turn gets the same advantage (β = 0, GRPO), so β can matter only where this is > 0."""
+    act = turn_ids >= 0
+    if act.sum() < 2:
+        return 0.0
+    key = (torch.arange(len(adv), device=adv.device)[:, None] * (turn_ids.max() + 1)
+           + turn_ids)[act]                                    # one id per (row, turn)
+    a = adv[act].double()
+    n = torch.zeros(int(key.max()) + 1, dtype=a.dtype, device=a.device).index_add_(
+        0, key, torch.ones_like(a))
+    mean = torch.zeros_like(n).index_add_(0, key, a) / n.clamp(min=1)
+    total = ((a - a.mean()) ** 2).sum()
+    return float(((a - mean[key]) ** 2).sum() / total) if total > 0 else 0.0
+
+
 def step_metrics(step: int, trajs: list, n: int, batch: dict, stats: dict, times: dict,
                  device: torch.device) -> dict[str, float]:
     """The metrics row of training step `step`: statistics of its n episodes per question
@@ -506,6 +525,7 @@ def step_metrics(step: int, trajs: list, n: int, batch: dict, stats: dict, times
     return {"step": step, **episode_stats(trajs, n, "train/"),
             **{f"loss/{k}": v for k, v in stats.items()},
             "adv/mean": float(adv.mean()), "adv/std": float(adv.std()),
+            "adv/within_turn_share": within_turn_share(batch["advantages"], batch["turn_ids"]),
             **{f"time/{k}_s": v for k, v in times.items()},
             "time/step_s": sum(times.values()),
             "tokens_per_s": float(act.sum()) / times["generate"],

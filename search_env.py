@@ -293,8 +293,9 @@ def _chain_question(kb: KnowledgeBase, start: str, chain: list[tuple[str, str]],
 
 
 def make_questions(kb: KnowledgeBase, n: int, min_hops: int = 2, max_hops: int = 4,
-                   seed: int = 0, corpus_id: str = "kb") -> list[Question]:
+                   seed: int = 0, corpus_id: str = "kb", strict: bool = True) -> list[Question]:
     """``n`` distinct questions; hop counts cycle min_hops..max_hops so each is equally common.
+    A knowledge base too small for ``n`` raises, or with ``strict=False`` gives what it has.
 
     Example (3 hops, mentor -> employer -> headquarters): "In which city is the employer of the
     mentor of Pella Moraq headquartered?", gold_queries = (Pella Moraq, <mentor>, <employer>).
@@ -314,7 +315,7 @@ def make_questions(kb: KnowledgeBase, n: int, min_hops: int = 2, max_hops: int =
         if q.question not in seen:
             seen.add(q.question)
             questions.append(q)
-    if len(questions) < n:
+    if strict and len(questions) < n:
         raise ValueError(f"could only make {len(questions)} distinct questions; enlarge the KB")
     return questions
 
@@ -718,9 +719,18 @@ def env_factory(splits: Sequence[Split], top_k: int = 3, max_turns: int = 5,
 
 def scripted_episodes(split: Split, make_env: Callable[[Question], SearchEnv], n: int = 100,
                       min_hops: int = 2, max_hops: int = 4, seed: int = 0) -> list[list[Message]]:
-    """Chat episodes for a supervised warm start: ``n`` new questions on a synthetic ``split``'s
-    knowledge base, each played by ``reading_oracle`` in ``make_env(question)``."""
-    questions = make_questions(split.kb, n, min_hops, max_hops, seed=seed, corpus_id=split.name)
+    """Chat episodes for a supervised warm start: up to ``n`` questions on a synthetic ``split``'s
+    knowledge base that are not among the split's own questions (the warm start must not
+    rehearse the questions RL trains on), each played by ``reading_oracle`` in
+    ``make_env(question)``. A small knowledge base may have fewer than ``n`` left (the smol
+    preset's 1-hop one: 45 of 245 beside 200 training questions)."""
+    taken = {q.question for q in split.questions}
+    pool = make_questions(split.kb, n + len(taken), min_hops, max_hops, seed=seed,
+                          corpus_id=split.name, strict=False)
+    questions = [q for q in pool if q.question not in taken][:n]
+    if not questions:
+        raise ValueError(f"the {split.name} knowledge base has no question left for a warm "
+                         f"start beside its {len(taken)} questions: lower --n_train")
     return [run_episode(make_env(q), reading_oracle(q)).messages for q in questions]
 
 

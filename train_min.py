@@ -86,7 +86,8 @@ class Config:
     min_hops: int = arg(2, "fewest searches a question needs (§10: 2-4)")
     max_hops: int = arg(4, "most searches a question needs")
     top_k: int = arg(3, "documents returned per search")
-    max_turns: int = arg(5, "assistant turns per episode (4 searches + answer)")
+    max_turns: int = arg(0, "assistant turns per episode (0: max_hops + 1, every search a "
+                         "question needs, then the answer)")
     max_new_tokens: int = arg(96, "token budget of one assistant turn")
     max_total_tokens: int = arg(2048, "episode length cap (prompt + all turns)")
     # --- algorithm (defaults: the paper's reference setting, §7) ---
@@ -580,6 +581,16 @@ def make_optimizer(model, value_head, cfg: Config):
     return torch.optim.AdamW(groups, weight_decay=0.0)
 
 
+@torch.no_grad()
+def turn_log_ratio_std(logp, old_logp, turn_ids) -> torch.Tensor:
+    """A gate on the turn ratio: the spread over turns of log ρ_t = Σ_i (logp − old_logp). At 0
+    (the first minibatch) turn and token ratios give the same gradient, so settings A and B can
+    differ only where this moves off 0 (and the clip, turn_clip_frac, touches turns)."""
+    first = (turn_ids >= 0) & (turn_ids != nn.functional.pad(turn_ids[:, :-1], (1, 0), value=-1))
+    log_rho = mpo.turn_ratio(logp, old_logp, turn_ids, validate=False).log()     # (B, T)
+    return log_rho[first].std() if first.sum() > 1 else log_rho.new_zeros(())
+
+
 def update(model, value_head, opt, batch, cfg: Config) -> dict[str, float]:
     """PPO-style epochs over the batch; returns each statistic's mean over the minibatches."""
     model.train()
@@ -603,6 +614,8 @@ def update(model, value_head, opt, batch, cfg: Config) -> dict[str, float]:
                     clip_eps=eps, ratio_level=ratio_level(cfg), clip_eps_high=eps_high,
                     dual_clip=cfg.dual_clip or None,       # bounds a runaway turn ratio
                     num_tokens=n_tok, validate=False)
+                stats["turn_log_ratio_std"] = turn_log_ratio_std(logp, batch["old_logp"][micro],
+                                                                 tid)
                 loss = loss_pi
                 if cfg.kl_coef > 0:       # k3 estimator of KL(π ‖ base), token mean
                     d = torch.where(tid >= 0, batch["ref_logp"][micro] - logp, 0.0)

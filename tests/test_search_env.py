@@ -311,3 +311,27 @@ def test_hotpotqa_without_datasets_raises_clear_import_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", None)  # makes `import datasets` fail
     with pytest.raises(ImportError, match="pip install datasets"):
         se.load_hotpotqa("validation", n=5)
+
+
+def test_warm_start_episodes_never_rehearse_a_training_question():
+    train, val = se.make_dataset(n_train=20, n_val=5, min_hops=1, max_hops=2, seed=3,
+                                         n_people=24, n_organisations=8, n_cities=6, n_regions=3)
+    make_env = se.env_factory((train, val), top_k=1, max_turns=3)
+    episodes = se.scripted_episodes(train, make_env, 30, 1, 2, seed=3)
+    asked = [next(m["content"] for m in e if m["role"] == "user") for e in episodes]
+    trained = [se.user_message(q) for q in train.questions]
+    assert len(episodes) == 30 and len(set(asked)) == 30
+    assert not set(asked) & set(trained)
+    assert all(e[-1]["role"] == "assistant" and "<answer>" in e[-1]["content"] for e in episodes)
+    # a knowledge base with too few questions left gives what it has; none left is an error
+    small, _ = se.make_dataset(n_train=5, n_val=1, min_hops=1, max_hops=1, seed=0,
+                                       n_people=4, n_organisations=2, n_cities=2, n_regions=1)
+    n_all = len(se.make_questions(small.kb, 1000, 1, 1, strict=False))
+    few = se.scripted_episodes(small, se.env_factory((small,), 1, 3), 1000, 1, 1)
+    assert len(few) == n_all - 5
+    everything, _ = se.make_dataset(n_train=n_all, n_val=1, min_hops=1, max_hops=1,
+                                            seed=0, n_people=4, n_organisations=2, n_cities=2,
+                                            n_regions=1)
+    with pytest.raises(ValueError, match="no question left for a warm start"):
+        se.scripted_episodes(everything, se.env_factory((everything,), 1, 3),
+                                     10, 1, 1)

@@ -807,3 +807,32 @@ def test_bf16_base_trains_float32_lora_and_its_first_minibatch_ratio_is_exactly_
     assert math.isfinite(stats["policy_loss"]) and stats["grad_norm"] > 0
     states = [s for s in opt.state.values()]
     assert states and all(s["exp_avg"].dtype == torch.float32 for s in states)
+
+
+def test_max_turns_defaults_to_max_hops_plus_one_and_a_flag_or_preset_overrides_it(base):
+    def turns(*flags):
+        return train_min.parse_config([*flags, "--device", "cpu", "--out_dir",
+                                       str(base / "unit")]).max_turns
+    assert turns("--preset", "default") == 5                 # 4 searches, then the answer
+    assert turns("--preset", "default", "--max_hops", "6") == 7
+    assert turns("--preset", "default", "--max_hops", "6", "--max_turns", "4") == 4
+    assert turns("--preset", "smol") == 3                    # the preset's: 1 hop + a retry
+    with pytest.raises(ValueError, match="--max_turns must be an integer >= 1, got -1"):
+        turns("--preset", "default", "--max_turns", "-1")
+
+
+def test_gates_turn_log_ratio_spread_and_within_turn_share_of_advantage_variance():
+    tid = torch.tensor([[-1, 0, 0, 0, -1, 1, 1], [-1, 0, 0, -1, -1, -1, -1]])
+    old = torch.zeros(2, 7)
+    logp = torch.tensor([[0, .1, .2, .3, 9, -.5, .1], [0, .2, .2, 9, 9, 9, 9]])   # off-turn: noise
+    log_rho = torch.tensor([0.6, -0.4, 0.4])                  # per turn: Σ (logp − old) on it
+    assert math.isclose(float(train_min.turn_log_ratio_std(logp, old, tid)),
+                        float(log_rho.std()), rel_tol=1e-6)
+    assert float(train_min.turn_log_ratio_std(old, old, tid)) == 0.0         # ratio 1: no spread
+    flat = torch.tensor([[0, 1., 1, 1, 0, 2, 2], [0, 3, 3, 0, 0, 0, 0]])       # one value per turn
+    assert run_utils.within_turn_share(flat, tid) == 0.0
+    varied = torch.tensor([[0, 1., 2, 3, 0, 2, 2], [0, 3, 3, 0, 0, 0, 0]])
+    a = varied[tid >= 0].double()
+    assert math.isclose(run_utils.within_turn_share(varied, tid),
+                        2.0 / float(((a - a.mean()) ** 2).sum()), rel_tol=1e-9)   # turn 0: SS 2
+    assert run_utils.within_turn_share(varied, torch.full_like(tid, -1)) == 0.0

@@ -1,0 +1,201 @@
+"""float32 against bfloat16 on this CPU: the smol preset's training step, side by side (issue 26).
+
+    python experiments/benchmarks/bench_dtype.py                 # 3 timed steps per dtype
+    python experiments/benchmarks/bench_dtype.py --steps 1       # quicker (~5 min)
+    python experiments/benchmarks/bench_dtype.py --generate      # generate: rows per call, cache
+
+Both models are loaded from the same warm-started SmolLM2 (presets.prepare_smol_model), one with
+`--dtype float32`, one with `--dtype bfloat16`, each with its own optimiser, and trained on the same
+questions in alternating order (machine noise hits both alike). Printed:
+  * the log-probs of the same sequences under both (before any update: same weights), their
+    differences at action tokens (quantiles), and the first minibatch's ratio in each (exactly 1);
+  * s/step and its split (generate / score / update) per dtype, and the float32 / bfloat16 ratio;
+  * the step's compute floor: its matmul FLOPs (counted with torch's FlopCounterMode on one
+    untimed step) divided by this CPU's matmul rate in each dtype (measured here at SmolLM2's
+    shapes), and how far each phase is from it.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import mpo  # noqa: E402
+import train_min  # noqa: E402
+from run_utils import questions_at, seed_everything  # noqa: E402
+
+DTYPES = ("float32", "bfloat16")
+PHASES = ("generate", "score", "update")
+
+
+def matmul_rate(dtype: torch.dtype, m=16 * 320, k=576, n=1536, repeats=10) -> float:
+    """FLOP/s of an (m, k) @ (k, n) matmul: SmolLM2's MLP at 16 sequences x 320 tokens."""
+    a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+    a @ b
+    t = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    return 2 * m * k * n * repeats / (time.perf_counter() - t)
+
+
+def load(dtype: str, argv: list[str]):
+    cfg = train_min.parse_config(["--preset", "smol", "--dtype", dtype, "--out_dir",
+                                  f"/tmp/bench-dtype-{dtype}", *argv])
+    seed_everything(cfg.seed)
+    suite = train_min.make_suite(cfg)
+    cfg.model = train_min.presets.PRESETS["smol"].prepare_model(cfg, suite)
+    tok, model, value_head = train_min.load_model(cfg, torch.device("cpu"))
+    return cfg, suite, tok, model, value_head, train_min.make_optimizer(model, value_head, cfg)
+
+
+def step(run, step_i: int, count_flops: bool = False) -> dict:
+    """One training step as train_min.train runs it; seconds (or FLOPs) per phase."""
+    cfg, suite, tok, model, value_head, opt = run
+    seed_everything(1000 + step_i)                  # both dtypes sample from the same stream
+    tasks = [suite.train[i] for i in questions_at(len(suite.train), cfg.seed,
+                                                  step_i * cfg.questions_per_step,
+                                                  cfg.questions_per_step)]
+    out, ratios = {}, []
+    real_loss = mpo.policy_loss
+
+    def recording(logp, old_logp, *args, **kw):     # the first micro-batch's ratio
+        if not ratios:
+            act = args[1] >= 0
+            ratios.append((logp.detach() - old_logp)[act].abs().max().item())
+        return real_loss(logp, old_logp, *args, **kw)
+
+    def phase(name, fn):
+        counter = FlopCounterMode(display=False) if count_flops else None
+        t = time.perf_counter()
+        if counter:
+            with counter:
+                result = fn()
+            out[name] = counter.get_total_flops()
+        else:
+            result = fn()
+            out[name] = time.perf_counter() - t
+        return result
+
+    trajs = phase("generate", lambda: train_min.rollout(model, tok, suite, tasks, cfg,
+                                                         cfg.n_rollouts))
+    batch = train_min.collate(trajs, tok.pad_token_id, torch.device("cpu"))
+    phase("score", lambda: train_min.score_batch(model, value_head, batch, cfg))
+    batch["step"] = step_i
+    train_min.mpo.policy_loss = recording
+    try:
+        phase("update", lambda: (train_min.compute_advantages(batch, cfg),
+                                 train_min.update(model, value_head, opt, batch, cfg)))
+    finally:
+        train_min.mpo.policy_loss = real_loss
+    act = batch["turn_ids"] >= 0
+    out["tokens"] = int(batch["attn"].sum())
+    out["action_tokens"] = int(act.sum())
+    out["first_ratio_max_abs_log"] = ratios[0] if ratios else float("nan")
+    out["batch"] = batch
+    return out
+
+
+def logprob_gap(runs) -> None:
+    """The same sequences scored by both models before any update (the same weights)."""
+    cfg, suite, tok, model, _, _ = runs["bfloat16"]
+    seed_everything(7)
+    tasks = [suite.train[i] for i in range(cfg.questions_per_step)]
+    trajs = train_min.rollout(model, tok, suite, tasks, cfg, cfg.n_rollouts)
+    batch = train_min.collate(trajs, tok.pad_token_id, torch.device("cpu"))
+    act = batch["turn_ids"] >= 0
+    lp = {}
+    for name, run in runs.items():
+        b = dict(batch)
+        train_min.score_batch(run[3], run[4], b, run[0])
+        lp[name] = b["old_logp"]
+    d = (lp["bfloat16"] - lp["float32"])[act]                          # (N,) nats
+    q = torch.quantile(d.abs(), torch.tensor([0.5, 0.9, 0.99, 1.0]))
+    seq = torch.where(act, lp["bfloat16"] - lp["float32"], 0.0).sum(1)  # per episode
+    print(f"log-prob bf16 - fp32 over {int(act.sum())} action tokens of {len(trajs)} episodes "
+          f"(same weights): mean {d.mean():+.4f}, |d| median {q[0]:.4f}, p90 {q[1]:.4f}, "
+          f"p99 {q[2]:.4f}, max {q[3]:.4f} nats; per-episode sum |d| median "
+          f"{seq.abs().median():.3f} nats; exp(d) p1-p99 "
+          f"{torch.quantile(d.exp(), 0.01):.3f}-{torch.quantile(d.exp(), 0.99):.3f}")
+
+
+def bench_steps(args, extra) -> None:
+    runs = {name: load(name, extra) for name in DTYPES}
+    logprob_gap(runs)
+    rate = {name: matmul_rate(getattr(torch, name)) for name in DTYPES}
+    flops = {name: step(runs[name], 0, count_flops=True) for name in DTYPES}   # untimed
+    times = {name: [] for name in DTYPES}
+    for i in range(1, args.steps + 1):
+        order = DTYPES if i % 2 else DTYPES[::-1]
+        for name in order:
+            r = step(runs[name], i)
+            times[name].append(r)
+            print(f"step {i} {name:8s}: " + " | ".join(f"{p} {r[p]:6.1f} s" for p in PHASES)
+                  + f" | {sum(r[p] for p in PHASES):6.1f} s/step, {r['tokens']} tokens, "
+                  f"first-minibatch max |log ratio| {r['first_ratio_max_abs_log']:.1e}",
+                  flush=True)
+    print(f"\nmatmul rate at (5120, 576) x (576, 1536): "
+          + ", ".join(f"{n} {rate[n] / 1e9:.0f} GFLOP/s" for n in DTYPES))
+    med = {n: {p: statistics.median(r[p] for r in times[n]) for p in PHASES} for n in DTYPES}
+    for n in DTYPES:
+        total = sum(med[n].values())
+        f = flops[n]
+        floor = {p: f[p] / rate[n] for p in PHASES}
+        print(f"{n:8s}: {total:6.1f} s/step (median of {args.steps}) = "
+              + " + ".join(f"{p} {med[n][p]:.1f}" for p in PHASES)
+              + f"; FLOP floor {sum(floor.values()):.1f} s ("
+              + ", ".join(f"{p} {f[p] / 1e12:.2f} TFLOP = {floor[p]:.1f} s" for p in PHASES)
+              + f"; counted step: {f['tokens']} tokens)")
+    ratio = sum(med["float32"].values()) / sum(med["bfloat16"].values())
+    print(f"float32 / bfloat16 per step: {ratio:.2f}x ("
+          + ", ".join(f"{p} {med['float32'][p] / med['bfloat16'][p]:.2f}x" for p in PHASES) + ")")
+
+
+def bench_generate(args, extra) -> None:
+    """generate alone, bfloat16: rows per call and the KV cache implementation."""
+    import transformers
+    run = load("bfloat16", extra)
+    cfg, suite, tok, model = run[:4]
+    prompts = []
+    for task in suite.train[:cfg.questions_per_step * cfg.n_rollouts]:
+        prompts.append(train_min.render_ids(tok, suite.make_env(task).reset()))
+    real = transformers.GenerationConfig
+    for cache in ("dynamic", "static"):
+        for rows in (len(prompts), len(prompts) // 2, len(prompts) // 4):
+            transformers.GenerationConfig = (lambda *a, _c=cache, **kw: real(
+                *a, **kw, cache_implementation=_c))
+            cfg.rollout_batch_size = rows
+            try:
+                t, n = [], 0
+                for r in range(args.repeats):
+                    seed_everything(r)
+                    t0 = time.perf_counter()
+                    out = train_min.generate_turns(model, tok, prompts, cfg, False,
+                                                   suite.stop_strings)
+                    t.append(time.perf_counter() - t0)
+                    n = sum(map(len, out))
+            finally:
+                transformers.GenerationConfig = real
+            s = statistics.median(t)
+            print(f"cache {cache:7s} rows/call {rows:3d}: {s:5.1f} s for {len(prompts)} turns "
+                  f"({n} tokens, {n / s:.0f} tokens/s)", flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=3, help="timed steps per dtype")
+    p.add_argument("--generate", action="store_true", help="time generate settings instead")
+    p.add_argument("--repeats", type=int, default=2, help="--generate: repeats per setting")
+    args, extra = p.parse_known_args()              # the rest: train_min flags, e.g. --seed 1
+    if args.steps < 1 or args.repeats < 1:
+        p.error("--steps and --repeats must be >= 1")
+    (bench_generate if args.generate else bench_steps)(args, extra)
+
+
+if __name__ == "__main__":
+    main()
