@@ -9,34 +9,24 @@ writes token by token. MPO assigns credit at both scales:
   (M4) intra-turn traces    A^intra_{t,i} = sum_{j>=i} lam_intra^(j-i) delta_{t,j}  (§3)
   Eq. (20) MAE projection   A^MAE_{t,i} = A^turn_t + beta (A^intra_{t,i} - mean_i A^intra_{t,i})
   (M5) batch whitening      (A - mean) / sqrt(var + 1e-8) over all action tokens    (§5, step 6)
-  (M6) turn ratio           rho~_{t,i} = rho_{t,i} * sg(prod_{j != i} rho_{t,j})    (§3, §5 step 7)
+  (M6) turn ratio           rho~_{t,i} = rho_{t,i} * sg(prod_{j!=i} rho_{t,j})     (§3, §5 step 7)
   (M7) clipped surrogate    -min(rho~ A, clip(rho~, 1 - eps, 1 + eps) A), token mean
   (M8) critic loss          1/2 (V - R)^2, token mean, R = V_rollout + A^MAE or the multi-scale
                             λ-return G_{t,i} = V + A^intra + lam_intra^(L_t - i) lam A^turn_{t+1}
 
-followed by the baselines the paper compares against ((B1) PPO token GAE and VAPO's
-decoupled-λ variant of it, (B2) GRPO, (B3) GSPO) and the critic diagnostics of its Appendix C.
-Eq. (20) is the paper's number; (M1)-(M8) and (B1)-(B3) are this project's labels, listed once
-in docs/paper.md. Section numbers (§) are those of the project's paper notes; docs/paper.md
-summarises each under the same number.
+then the baselines ((B1) PPO token GAE and VAPO's decoupled-λ variant, (B2) GRPO, (B3) GSPO) and
+the critic diagnostics of Appendix C. Eq. (20) is the paper's number; (M1)-(M8), (B1)-(B3) are
+this project's labels, and § the sections of its paper notes, both summarised in docs/paper.md.
 
 Symbols: lam = λ (turn GAE), lam_intra = λ_intra (intra-turn trace), beta = β (strength of the
 centred correction), delta = δ (TD residual), rho = ρ (importance ratio), eps = ε (clip range),
-sg = stop-gradient. Discounting is γ = 1 throughout, as in the paper.
-
+sg = stop-gradient; γ = 1 throughout, as in the paper.
 Dimensions: B trajectories (rows), T token positions, K turns (the most turns of any row).
-
-Layout: every per-token tensor is batch-first (B, T). `turn_ids[b, p] = k >= 0` when the policy
-generated token p of row b in its k-th assistant turn, -1 everywhere else (prompt, observation,
-padding). Turns are contiguous and numbered 0, 1, 2, ... in order. `values[b, p]` is the critic's
-value of the prefix *before* token p; `rewards[b, p]` the reward right after emitting it.
-
-Precision: float64 inputs compute in float64; float32 / bfloat16 / float16 inputs compute and
-return float32. Validation (on by default, `validate=False` for hot loops) reads tensors back to
-the host; with it off and `num_turns` given, `mpo_advantages` never synchronises with the device.
-
-One path: `mpo_advantages` is the composition of the equation functions above it, and
-`policy_loss` is built on `turn_ratio`; there is no second, fused copy of any equation.
+Layout: per-token tensors are (B, T); turn_ids[b, p] = k >= 0 on the tokens of row b's k-th
+assistant turn (contiguous, numbered 0, 1, 2, ...), -1 elsewhere (prompt, observation, padding);
+values[b, p] is V of the prefix *before* token p, rewards[b, p] the reward right after it.
+float64 stays float64, other dtypes compute in float32; `validate=False` skips the checks (host
+reads; docs/api.md#conventions). One path: `mpo_advantages` composes the functions above it.
 
 Usage:
     turn_ids = turn_ids_from_mask(action_mask)                 # (B, T)
@@ -57,10 +47,11 @@ CRITIC_TARGETS = ("mae", "lambda_return")
 # GSPO's clip range of the sequence ratio (Zheng et al., 2025, the GSPO paper's experiments:
 # 3e-4 below, 4e-4 above); ε = 0.2 on a length-normalised ratio would be about 500x wider.
 GSPO_CLIP = (3e-4, 4e-4)
+_TARGETS = "{} computes targets (advantages, returns), not a differentiable expression"
+_CLAMP = "a finite number > 0 (the clamp of a log-ratio before exp)"
 
 
 # --- Input validation (skipped with validate=False); it never changes a number --------------
-
 def _check_tensor(name, x, ref=None, dims=2, ref_name="turn_ids") -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
@@ -88,8 +79,7 @@ def _turn_starts(turn_ids: torch.Tensor) -> torch.Tensor:
 
 
 def _check_turn_ids(turn_ids) -> int:
-    """Check the turn layout (contiguous turns numbered 0, 1, 2, ... in each row) and return K,
-    the most turns of any row (0 if there is none)."""
+    """Check the turn layout (contiguous turns numbered 0, 1, ... per row); return K (0 if none)."""
     _check_tensor("turn_ids", turn_ids)
     if turn_ids.dtype.is_floating_point or turn_ids.dtype == torch.bool or turn_ids.is_complex():
         raise TypeError(f"turn_ids must be an integer tensor (int64), got {turn_ids.dtype}")
@@ -98,13 +88,11 @@ def _check_turn_ids(turn_ids) -> int:
     ids = turn_ids.long()
     if bool((ids < -1).any()):
         raise ValueError("turn_ids holds values below -1; use -1 for non-action positions")
-    # A run of equal ids starts where the id differs from the previous position's. The layout is
-    # valid iff every run's id is its rank among the row's runs: a turn split by -1 (two runs,
-    # one id), a gap and a wrong order all show up as a run whose id is not its rank.
-    act = ids >= 0
+    # Valid iff every run of equal ids is numbered by its rank among the row's runs: a turn split
+    # by -1 (two runs, one id), a gap and a wrong order all give a run whose id is not its rank.
     starts = _turn_starts(ids)                                                # (B, T)
     rank = torch.cumsum(starts, dim=1) - 1                                    # (B, T) run number
-    bad = act & (ids != rank)
+    bad = (ids >= 0) & (ids != rank)
     if bool(bad.any()):
         b = int(bad.any(dim=1).nonzero()[0])          # the first bad row: say what is wrong
         runs = ids[b][starts[b]].tolist()
@@ -163,9 +151,6 @@ def _refuse_grad(why: str, **tensors) -> None:
             raise ValueError(f"{name} requires grad, but {why}; pass {name}.detach()")
 
 
-_TARGETS = "{} computes targets (advantages, returns), not a differentiable expression"
-
-
 def _validate_rewards_values(rewards, values, turn_ids) -> int:
     """Check (rewards, values, turn_ids) of the advantage functions; return K."""
     K = _check_turn_ids(turn_ids)
@@ -205,20 +190,12 @@ def _as_float(x) -> float:
 
 
 # --- The one loop primitive, and moving numbers between tokens and turns ---------------------
-
 def reverse_scan(b: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
     """Solve x_i = b_i + a_i * x_{i+1} (x past the end = 0) along the last dimension.
 
-    Every GAE in this file is this recurrence: `b` is the residual and `a` the decay linking
-    position i to i + 1 (λ inside a segment, 0 where a segment ends, 1 to pass a skipped
-    position). Solved by recursive doubling (Hillis & Steele, 1986) in ceil(log2 n) vectorised
-    steps instead of a Python loop over n positions, with no host synchronisation.
-
-    Why it is exact: after the step with offset d, x_i = Σ_{j<2d} (a_i···a_{i+j−1}) b_{i+j} and
-    a_i = a_i···a_{i+2d−1} (windows cut at the end). The step x_i ← x_i + a_i x_{i+d} joins two
-    adjacent windows, the same terms the loop adds, only grouped differently; no division, so
-    any decay (λ = 0 included) is fine. Once 2d >= n every window reaches the end.
-
+    Every GAE here is this recurrence: b the residual, a the decay from i to i + 1 (λ inside a
+    segment, 0 where one ends, 1 across a skipped position), solved by recursive doubling in
+    ceil(log2 n) vectorised steps (why it is exact: docs/api.md#reverse_scan).
     Example: b = [1, 1, 1], a = [0.5, 0.5, 0.5] -> x = [1.75, 1.5, 1.0].
     """
     x, a = b.clone(), a.expand_as(b).clone()
@@ -264,17 +241,12 @@ def _masked(x: torch.Tensor, act: torch.Tensor, dtype: torch.dtype) -> torch.Ten
 
 
 # --- From a trainer's batch to the paper's quantities ----------------------------------------
-
 def turn_ids_from_mask(action_mask: torch.Tensor) -> torch.Tensor:
     """Turn ids from a 0/1 action mask: each maximal run of 1s is the next turn, -1 elsewhere.
 
-    This is how verl and TRL mark multi-turn rollouts (1 = model token, 0 = prompt, tool output,
-    padding). Example: [[0, 1, 1, 0, 0, 1, 0]] -> [[-1, 0, 0, -1, -1, 1, -1]].
-
-    Args:
-        action_mask: (B, T) bool or integer tensor of 0s and 1s.
-    Returns:
-        turn_ids: (B, T) int64.
+    verl and TRL mark multi-turn rollouts this way (1 = model token; 0 = prompt, tool, padding).
+    Example: [[0, 1, 1, 0, 0, 1, 0]] -> [[-1, 0, 0, -1, -1, 1, -1]].
+    Args: action_mask (B, T) bool or integer 0/1. Returns: turn_ids (B, T) int64.
     """
     _check_tensor("action_mask", action_mask)
     if action_mask.dtype != torch.bool:
@@ -293,12 +265,7 @@ def outcome_rewards(scores: torch.Tensor, turn_ids: torch.Tensor) -> torch.Tenso
     """Place the outcome reward R(τ) of each row on its last action token (§3: 1{t=T} R(τ)).
 
     Example: scores = [1.0], turn_ids = [[-1, 0, 0, -1, 1, 1, -1]] -> [[0, 0, 0, 0, 0, 1, 0]].
-
-    Args:
-        scores: (B,) float, one outcome score per trajectory.
-        turn_ids: (B, T) int64.
-    Returns:
-        rewards: (B, T), zero except on each row's last action token (rows without turns: zero).
+    Args: scores (B,) float, one per row; turn_ids (B, T) int64. Returns: rewards (B, T).
     """
     _check_turn_ids(turn_ids)
     _check_tensor("scores", scores, dims=1)
@@ -315,22 +282,13 @@ def outcome_rewards(scores: torch.Tensor, turn_ids: torch.Tensor) -> torch.Tenso
 
 
 # --- (M1) Token TD residuals and (M2) their per-turn sums ------------------------------------
-
 def token_td_residuals(rewards: torch.Tensor, values: torch.Tensor, turn_ids: torch.Tensor,
                        *, validate: bool = True) -> torch.Tensor:
     """(M1): token TD residuals δ_{t,i} = r_{t,i} + V_next − V_{t,i} (γ = 1).
 
-    V_next is the value at the row's next *action* token: inside a turn V_{t,i+1}; on a turn's
-    last token V_{t+1,1}, the value after the environment's observation; after the row's last
-    action token 0 (the episode has ended). Observation, prompt and padding positions get δ = 0
-    and their values are never read.
-
-    Args:
-        rewards: (B, T) float, non-zero only at action positions.
-        values: (B, T) float, V_{t,i} at action positions.
-        turn_ids: (B, T) int64.
-    Returns:
-        delta: (B, T).
+    V_next is V at the row's next *action* token: V_{t,i+1} inside a turn, V_{t+1,1} (after the
+    observation) on a turn's last token, 0 after the row's last; δ = 0 off action positions.
+    Args: rewards, values (B, T) float; turn_ids (B, T) int64. Returns: delta (B, T).
     """
     if validate:
         _validate_rewards_values(rewards, values, turn_ids)
@@ -341,19 +299,11 @@ def token_td_residuals(rewards: torch.Tensor, values: torch.Tensor, turn_ids: to
 
 def turn_residual_sums(delta: torch.Tensor, turn_ids: torch.Tensor, num_turns: int | None = None,
                        *, validate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """(M2): turn residuals δ^turn_t = Σ_i δ_{t,i}, the TD residual of the turn as one macro-action.
+    """(M2): turn residuals δ^turn_t = Σ_i δ_{t,i}: the turn's TD residual as one macro-action.
 
-    With γ = 1 the sum telescopes (§3): δ^turn_t = Σ_i r_{t,i} + V_{t+1,1} − V_{t,1}, so only the
-    critic's values at turn starts enter the turn-level credit.
-
-    Args:
-        delta: (B, T) token TD residuals.
-        turn_ids: (B, T) int64.
-        num_turns: K; default the most turns of any row (reads turn_ids, one host sync). Pass any
-            K >= that (e.g. your environment's turn limit) to stay sync-free.
-    Returns:
-        delta_turn: (B, K) with 0 for turns a row does not have.
-        turn_mask: (B, K) bool, True where row b has turn k.
+    With γ = 1 it telescopes (§3): Σ_i r_{t,i} + V_{t+1,1} − V_{t,1} (turn-start values only).
+    Args: delta (B, T); turn_ids (B, T) int64; num_turns K >= the most turns of any row (None:
+    read back, one host sync). Returns: delta_turn (B, K), 0 where absent; turn_mask (B, K) bool.
     """
     if validate:
         K = _check_turn_ids(turn_ids)
@@ -369,20 +319,13 @@ def turn_residual_sums(delta: torch.Tensor, turn_ids: torch.Tensor, num_turns: i
 
 
 # --- (M3) Turn-level GAE and (M4) intra-turn traces ------------------------------------------
-
 def turn_gae(delta_turn: torch.Tensor, turn_mask: torch.Tensor, lam: float,
              *, validate: bool = True) -> torch.Tensor:
-    """(M3): turn-level GAE (§3), A^turn_t = Σ_{k>=0} λ^k δ^turn_{t+k} = δ^turn_t + λ A^turn_{t+1}.
+    """(M3): turn-level GAE (§3), A^turn_t = Σ_k λ^k δ^turn_{t+k} = δ^turn_t + λ A^turn_{t+1}.
 
-    λ discounts once per *turn*, not once per token: credit crosses a 40-token turn at the cost
-    of one λ, where token-level GAE pays λ^40 (§2).
-
+    λ is paid once per *turn*: crossing a 40-token turn costs one λ, token-level GAE λ^40 (§2).
     Example: δ^turn = [0.2, 0.2, 0.3], λ = 0.8 -> A^turn = [0.552, 0.44, 0.3] (§5).
-
-    Args:
-        delta_turn: (B, K) turn residuals; turn_mask: (B, K) bool; lam: λ in [0, 1].
-    Returns:
-        adv_turn: (B, K), 0 where turn_mask is False.
+    Args: delta_turn (B, K); turn_mask (B, K) bool; lam λ in [0, 1]. Returns: adv_turn (B, K).
     """
     if validate:
         lam = _check_unit("lam", lam)
@@ -400,15 +343,10 @@ def turn_gae(delta_turn: torch.Tensor, turn_mask: torch.Tensor, lam: float,
 
 def intra_turn_traces(delta: torch.Tensor, turn_ids: torch.Tensor, lam_intra: float,
                       *, validate: bool = True) -> torch.Tensor:
-    """(M4): intra-turn traces (§3), A^intra_{t,i} = Σ_{j=i}^{L_t} λ_intra^{j−i} δ_{t,j}, per turn.
+    """(M4): intra-turn traces (§3), A^intra_{t,i} = Σ_{j>=i} λ_intra^(j−i) δ_{t,j} in turn t.
 
-    The local, token-level signal inside turn t; it never crosses a turn boundary (the turn
-    GAE carries credit between turns).
-
-    Args:
-        delta: (B, T) token TD residuals; turn_ids: (B, T) int64; lam_intra: λ_intra in [0, 1].
-    Returns:
-        adv_intra: (B, T), 0 off action positions.
+    The local signal inside turn t; it never crosses a turn boundary (the turn GAE does that).
+    Args: delta (B, T); turn_ids (B, T) int64; lam_intra λ_intra in [0, 1]. Returns: (B, T).
     """
     if validate:
         lam_intra = _check_unit("lam_intra", lam_intra)
@@ -423,22 +361,14 @@ def intra_turn_traces(delta: torch.Tensor, turn_ids: torch.Tensor, lam_intra: fl
 
 
 # --- Eq. (20): the MAE projection ------------------------------------------------------------
-
 def mae_projection(adv_turn: torch.Tensor, adv_intra: torch.Tensor, turn_ids: torch.Tensor,
                    beta: float, *, validate: bool = True) -> torch.Tensor:
     """Eq. (20): the centred intra-turn correction (MAE projection) of the turn-level credit.
 
-    A^MAE_{t,i} = A^turn_t + β (A^intra_{t,i} − mean_i A^intra_{t,i}).
-
-    The least-squares projection of β·A^intra_t onto {w : mean_i w_i = A^turn_t} (§6):
-    minimise ½ Σ_i (w_i − β A^intra_{t,i})² subject to (1/L_t) Σ_i w_i = A^turn_t; the Lagrange
-    condition w_i = β A^intra_{t,i} + μ/L_t with the constraint gives the centred form. Each
-    turn keeps its turn-level credit as its mean; tokens keep their relative local differences.
-
-    Args:
-        adv_turn: (B, K) A^turn; adv_intra: (B, T) A^intra; turn_ids: (B, T); beta: β >= 0.
-    Returns:
-        adv_mae: (B, T), 0 off action positions.
+    A^MAE_{t,i} = A^turn_t + β (A^intra_{t,i} − mean_i A^intra_{t,i}), the least-squares
+    projection of β·A^intra_t onto {w : mean_i w_i = A^turn_t} (§6; docs/equations.md derives
+    it): each turn keeps A^turn_t as its mean, and its tokens their relative local differences.
+    Args: adv_turn (B, K); adv_intra (B, T); turn_ids (B, T); beta β >= 0. Returns: (B, T).
     """
     if validate:
         beta = _check_number("beta", beta, lambda v: 0.0 <= v < math.inf, "a finite number >= 0")
@@ -455,24 +385,14 @@ def mae_projection(adv_turn: torch.Tensor, adv_intra: torch.Tensor, turn_ids: to
 
 
 # --- The critic's regression target R of (M8): the multi-scale λ-return ----------------------
-
 def multiscale_lambda_returns(values: torch.Tensor, adv_turn: torch.Tensor,
                               adv_intra: torch.Tensor, turn_ids: torch.Tensor, lam: float,
                               lam_intra: float, *, validate: bool = True) -> torch.Tensor:
-    """The critic target G_{t,i} = V_{t,i} + A^intra_{t,i} + λ_intra^(L_t − i) · λ · A^turn_{t+1}.
+    """Critic target G_{t,i} = V_{t,i} + A^intra_{t,i} + λ_intra^(L_t − i) · λ · A^turn_{t+1}.
 
-    A^turn past a row's last turn is 0. It is the λ_intra-return of the tokens of turn t that,
-    at the turn's end, bootstraps from the next turn's start value plus λ times its turn-level
-    advantage. So: at a turn's first token with λ_intra = 1 it is the turn λ-return
-    V_{t,1} + A^turn_t; on the row's last token it is its reward (R(τ) with an outcome
-    reward); with λ = λ_intra = 1 it is the Monte Carlo return; and it does not depend on β
-    (the alternative, V + A^MAE, does).
-
-    Args:
-        values: (B, T) V; adv_turn: (B, K) A^turn; adv_intra: (B, T) A^intra; turn_ids: (B, T);
-        lam, lam_intra: λ, λ_intra in [0, 1].
-    Returns:
-        returns: (B, T), 0 off action positions.
+    The λ_intra-return inside turn t, bootstrapped at its end from V_{t+1,1} + λ A^turn_{t+1}
+    (A^turn past the last turn is 0); independent of β. See docs/api.md#multiscale_lambda_returns.
+    Args: values, adv_intra (B, T); adv_turn (B, K); turn_ids (B, T); lam, lam_intra in [0, 1].
     """
     if validate:
         lam, lam_intra = _check_unit("lam", lam), _check_unit("lam_intra", lam_intra)
@@ -492,7 +412,6 @@ def multiscale_lambda_returns(values: torch.Tensor, adv_turn: torch.Tensor,
 
 
 # --- (M5) Batch whitening (§5, step 6), and the composition: MPO advantages (Algorithm 1) ----
-
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     """(M5): standardise x over the positions of mask, (x − mean) / sqrt(var + eps), 0 off mask.
 
@@ -515,26 +434,12 @@ def mpo_advantages(rewards: torch.Tensor, values: torch.Tensor, turn_ids: torch.
                    validate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Algorithm 1: MPO advantages, (M1) → (M2) → (M3), (M4) → Eq. (20) → (M5) (§5).
 
-    Defaults are the paper's reference setting (λ, λ_intra, β) = (0.80, 0.95, 1.00) (§7).
-    β = 0 is the "turn GAE only" ablation (every token of a turn gets A^turn_t). The body calls
-    the functions above, in the paper's order, and nothing else.
-
-    Args:
-        rewards: (B, T) float, non-zero only on action tokens (see `outcome_rewards`).
-        values: (B, T) float critic values V_{t,i} (read at action tokens only).
-        turn_ids: (B, T) int64.
-        lam, lam_intra: λ, λ_intra in [0, 1]; beta: β >= 0; whiten: standardise the advantages.
-        num_turns: an upper bound on any row's turn count (e.g. your environment's turn limit);
-            without it the count is read back (one host sync). With validate=False and
-            num_turns given nothing here synchronises with the device.
-        critic_target: what `returns` holds, the critic's regression target (the notes leave
-            it open): "mae" = values + A^MAE before whitening (PPO's advantages + values with the
-            MPO advantage; depends on β); "lambda_return" = `multiscale_lambda_returns`
-            (independent of β; measured the better critic target on the testbed, so
-            train_min.py uses it; "mae" stays the default here, as the contract fixes it).
-    Returns:
-        advantages: (B, T) A^MAE (whitened if `whiten`), 0 off action positions.
-        returns: (B, T) the critic's regression target (see critic_target), 0 off action positions.
+    Defaults: the paper's reference setting (λ, λ_intra, β) = (0.80, 0.95, 1.00) (§7); β = 0 is
+    the "turn GAE only" ablation. See docs/api.md#mpo_advantages.
+    Args: rewards, values (B, T) float (see `outcome_rewards`); turn_ids (B, T) int64; num_turns:
+    a bound on any row's turn count (saves a host sync); critic_target: what `returns` holds, "mae"
+    (values + A^MAE before whitening) or "lambda_return" (`multiscale_lambda_returns`, train_min's).
+    Returns: advantages (B, T) A^MAE, whitened if `whiten`, and returns (B, T), 0 off turns.
     """
     if critic_target not in CRITIC_TARGETS:
         raise ValueError(f"critic_target must be one of {CRITIC_TARGETS}, got {critic_target!r}")
@@ -563,7 +468,6 @@ def mpo_advantages(rewards: torch.Tensor, values: torch.Tensor, turn_ids: torch.
 
 
 # --- (M6) The turn ratio with a stop-gradient, and (M7) the clipped surrogate ----------------
-
 def _own_token_ratio(log_ratio: torch.Tensor, rho: torch.Tensor) -> torch.Tensor:
     """A ratio whose value is rho and whose derivative in log_ratio_{b,p} is rho_{b,p}, through
     its own token only: rho_{b,p} · exp(ℓ_{b,p} − sg(ℓ_{b,p})), ℓ = log_ratio (exp(0) = 1).
@@ -573,35 +477,23 @@ def _own_token_ratio(log_ratio: torch.Tensor, rho: torch.Tensor) -> torch.Tensor
 
 def turn_ratio(logp: torch.Tensor, old_logp: torch.Tensor, turn_ids: torch.Tensor,
                *, max_log_ratio: float = 20.0, validate: bool = True) -> torch.Tensor:
-    """(M6): turn ratio with a stop-gradient (§3), ρ̃_{t,i} = ρ_{t,i} · sg(Π_{j≠i} ρ_{t,j}).
+    """(M6): the stop-gradient turn ratio (§3), ρ̃_{t,i} = ρ_{t,i} · sg(Π_{j≠i} ρ_{t,j}).
 
-    Forward: every token of turn t carries the whole turn's ratio ρ_t = exp Σ_j (logp − old_logp),
-    the probability ratio of the turn the environment actually received. Backward:
-    ∂ρ̃_{t,i}/∂logp_{t,i} = ρ_t and nothing flows to the other tokens of the turn, so each
-    token's gradient is ρ_t A_{t,i} and the centred corrections of Eq. (20) survive. With one
-    shared differentiable ρ_t they would cancel: Σ_i A^MAE_{t,i} = L_t A^turn_t (§3).
-
-    In log space: S_t = Σ_j log_ratio_{t,j} is summed first, so a long turn's product never
-    overflows, and clamped to ±max_log_ratio before exp, so ρ̃ ∈ [e^−20, e^20] ≈ [2e−9, 4.9e8].
-    That bounds the *ratio*, not the loss: for A < 0 PPO keeps the unclipped branch −ρ_t A,
-    up to 4.9e8·|A|, unless `policy_loss` gets a `dual_clip` (train_min.py uses 3).
-
-    Args:
-        logp, old_logp: (B, T) log-probs of the sampled tokens (current, behaviour).
-        turn_ids: (B, T) int64.
-        max_log_ratio: > 0, the clamp of S_t before exp.
-    Returns:
-        ratio: (B, T) float, ρ̃ at action positions, 1 elsewhere.
+    Forward: every token of turn t carries ρ_t = exp Σ_j (logp − old_logp), the ratio of the
+    turn the environment received. Backward: ∂ρ̃_{t,i}/∂logp_{t,i} = ρ_t, nothing to the
+    turn's other tokens, so Eq. (20)'s centred corrections survive (a shared differentiable ρ_t
+    cancels them, §3). The clamp bounds ρ, not the loss: docs/api.md#turn_ratio.
+    Args: logp, old_logp (B, T) current / behaviour log-probs; turn_ids (B, T) int64;
+    max_log_ratio: clamp of a turn's log-ratio sum. Returns: ratio (B, T), ρ̃ on turns, else 1.
     """
     if validate:
-        max_log_ratio = _check_positive("max_log_ratio", max_log_ratio,
-                                        "a finite number > 0 (the clamp of a log-ratio before exp)")
+        max_log_ratio = _check_positive("max_log_ratio", max_log_ratio, _CLAMP)
         _validate_logps(logp, old_logp, turn_ids)
     dtype, act, T = _compute_dtype(logp), turn_ids >= 0, turn_ids.shape[1]
     log_ratio = _masked(logp.to(dtype) - old_logp.to(dtype), act, dtype)      # (B, T) ℓ_{t,i}
     S = _per_turn_sum(log_ratio.detach(), turn_ids, T)       # (B, T) wide: no sync to find K
     rho_turn = torch.exp(_gather_turn(S, turn_ids).clamp(-max_log_ratio, max_log_ratio))  # (B, T)
-    # ρ̃_{t,i} = ρ_{t,i} · sg(Π_{j≠i} ρ_{t,j}) = sg(ρ_t) · exp(ℓ_{t,i} − sg(ℓ_{t,i})):
+    # ρ̃_{t,i} = ρ_{t,i}·sg(Π_{j≠i} ρ_{t,j}) = sg(ρ_t)·exp(ℓ_{t,i} − sg(ℓ_{t,i})):
     # the value is ρ_t, the derivative in ℓ_{t,i} is ρ_t, the other tokens get nothing.
     return _own_token_ratio(log_ratio, rho_turn)                              # (B, T)
 
@@ -616,8 +508,7 @@ def _validate_policy_loss(logp, old_logp, advantages, turn_ids, clip_eps, clip_e
         _check_positive("clip_eps_high", clip_eps_high)
     if dual_clip is not None:
         _check_number("dual_clip", dual_clip, lambda v: 1 < v < math.inf, "> 1 (or None)")
-    _check_positive("max_log_ratio", max_log_ratio,
-                    "a finite number > 0 (the clamp of a log-ratio before exp)")
+    _check_positive("max_log_ratio", max_log_ratio, _CLAMP)
     if num_tokens is not None:
         _check_num_tokens(num_tokens, turn_ids >= 0)
 
@@ -627,30 +518,15 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
                 *, clip_eps_high: float | None = None, dual_clip: float | None = None,
                 num_tokens: int | torch.Tensor | None = None, max_log_ratio: float = 20.0,
                 validate: bool = True) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """(M7): clipped surrogate, token mean, L = (1/N) Σ_action max(−ρA, −clip(ρ, 1−ε, 1+ε_high) A).
+    """(M7): the clipped surrogate, L = (1/N) Σ max(−ρA, −clip(ρ, 1−ε, 1+ε_high) A).
 
-    ratio_level chooses ρ:
-      "turn"     ρ̃_{t,i} of `turn_ratio` (MPO);
-      "token"    ρ_{t,i} = exp(logp − old_logp) (PPO, and the "MPO w/ token IS" ablation);
-      "sequence" (B3) GSPO-token: s_b = exp(mean of the row's log-ratios), own-token gradient.
-    Every level's ratio has ∂ρ_{b,p}/∂logp_{b,p} = ρ_{b,p}, through its own token only.
-    clip_eps (ε): default 0.2 for "turn" and "token"; for "sequence" GSPO's own range,
-    ε = 3e-4 and ε_high = 4e-4 (`GSPO_CLIP`), unless you pass clip_eps. `clip_eps_high` (DAPO's
-    clip-higher) widens the upper bound (default ε). N = this batch's action tokens, or
-    `num_tokens` (pass the whole batch's count to every micro-batch so accumulated gradients
-    equal the full-batch gradient). Every log-ratio is clamped to ±max_log_ratio.
-
-    For A < 0 PPO keeps the unclipped −ρ·A when ρ > 1 − ε, which grows with ρ up to
-    e^max_log_ratio·|A|. `dual_clip` = c > 1 (Ye et al., 2020) caps such a term at c·|A|
-    (zero gradient once ρ > c): every term is then bounded by max(c, 1 + ε_high)·|A|.
-
-    Returns:
-        loss: 0-dim tensor to minimise (plain autograd; only logp gets a gradient).
-        stats: detached 0-dim tensors: clip_frac (share of action tokens whose term is clipped),
-            turn_clip_frac (share of turns whose turn ratio lies outside the clip range),
-            approx_kl (mean of (r − 1) − log r over action tokens, r the token ratio; estimates
-            KL(old ‖ new)), ratio_mean and ratio_max of the ratio used. With no action token
-            the loss and every statistic are 0.
+    A token mean over N action tokens; ratio_level picks ρ: "turn" ρ̃ of `turn_ratio` (MPO);
+    "token" exp(logp − old_logp) (PPO, "MPO w/ token IS"); "sequence" (B3) GSPO-token with
+    s_b = exp(mean of the row's log-ratios); all own-token gradients (docs/api.md#policy_loss).
+    Args: logp, old_logp, advantages (B, T); turn_ids (B, T) int64; clip_eps ε (0.2; `GSPO_CLIP`
+    for "sequence"); clip_eps_high ε_high (DAPO, default ε); dual_clip c > 1 caps a term with
+    A < 0 at c·|A| (Ye et al., 2020); num_tokens N (the whole batch's, for micro-batches).
+    Returns: loss (0-dim), stats (clip_frac, turn_clip_frac, approx_kl, ratio_mean, ratio_max).
     """
     if ratio_level not in RATIO_LEVELS:
         raise ValueError(f"ratio_level must be one of {RATIO_LEVELS}, got {ratio_level!r}")
@@ -667,10 +543,8 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     log_ratio = _masked(logp.to(dtype) - old_logp.to(dtype), act, dtype)      # (B, T)
     rho_token = torch.exp(log_ratio.detach().clamp(-m, m))                    # (B, T) ρ_{t,i}
     rho_turn = turn_ratio(logp, old_logp, turn_ids, max_log_ratio=m, validate=False)  # (M6)
-    if ratio_level == "turn":
-        ratio = rho_turn                                                      # ρ̃_{t,i}
-    elif ratio_level == "token":
-        ratio = _own_token_ratio(log_ratio, rho_token)                        # ρ_{t,i}
+    if ratio_level != "sequence":                           # "turn": ρ̃_{t,i}, "token": ρ_{t,i}
+        ratio = rho_turn if ratio_level == "turn" else _own_token_ratio(log_ratio, rho_token)
     else:    # GSPO-token: s_{b,p} = sg(s_b) · π_p / sg(π_p), s_b = exp(mean_p ℓ_{b,p})
         n_row = torch.count_nonzero(act, dim=1).clamp(min=1).unsqueeze(1)     # (B, 1)
         s = torch.exp((log_ratio.detach().sum(1, keepdim=True) / n_row).clamp(-m, m))
@@ -685,32 +559,26 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     loss = _masked(term, act, dtype).sum() / n
     with torch.no_grad():
         first = _turn_starts(turn_ids)                                        # a turn's 1st token
-        rho_t = rho_turn.detach()
-        outside = (rho_t < 1 - eps_low) | (rho_t > 1 + eps_high)
+        outside = (rho_turn < 1 - eps_low) | (rho_turn > 1 + eps_high)        # bool: no grad
         ratio_act = _masked(ratio.detach(), act, dtype)
-        stats = {
-            "clip_frac": torch.count_nonzero(act & (term != unclipped)).to(dtype) / n_act,
-            "turn_clip_frac": (torch.count_nonzero(first & outside).to(dtype)
-                               / torch.count_nonzero(first).clamp(min=1)),
-            "approx_kl": _masked(rho_token - 1 - log_ratio.detach(), act, dtype).sum() / n_act,
-            "ratio_mean": ratio_act.sum() / n_act,
-            "ratio_max": ratio_act.amax() if ratio_act.numel() else ratio_act.new_zeros(()),
-        }
+        stats = {"clip_frac": torch.count_nonzero(act & (term != unclipped)).to(dtype) / n_act,
+                 "turn_clip_frac": (torch.count_nonzero(first & outside).to(dtype)
+                                    / torch.count_nonzero(first).clamp(min=1)),
+                 "approx_kl": _masked(rho_token - 1 - log_ratio.detach(), act, dtype).sum() / n_act,
+                 "ratio_mean": ratio_act.sum() / n_act,
+                 "ratio_max": ratio_act.amax() if ratio_act.numel() else ratio_act.new_zeros(())}
     return loss, stats
 
 
 # --- (M8) The critic loss --------------------------------------------------------------------
-
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
                turn_ids: torch.Tensor, clip: float | None = None, *,
                num_tokens: int | torch.Tensor | None = None, validate: bool = True) -> torch.Tensor:
     """(M8): critic loss, ½ (1/N) Σ_action (V − R)², optionally value-clipped as in PPO.
 
-    With `clip` = c: per token max((V − R)², (V_clip − R)²), V_clip = V_old + clamp(V − V_old,
-    −c, c).
-    N as in `policy_loss` (`num_tokens` for gradient accumulation). The targets R are the
-    `returns` of `mpo_advantages`, read at action tokens: V + A^MAE (critic_target="mae") or the
-    multi-scale λ-return G (critic_target="lambda_return", train_min.py's default).
+    With clip = c the per-token error is max((V − R)², (V_clip − R)²), where V_clip = V_old +
+    clamp(V − V_old, −c, c). N as in `policy_loss`; R: the `returns` of `mpo_advantages`.
+    Args: values, old_values, returns (B, T) float; turn_ids (B, T) int64. Returns: 0-dim loss.
     """
     if validate:
         _check_turn_ids(turn_ids)
@@ -734,7 +602,6 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
 
 
 # --- Baselines: (B1) PPO token GAE and VAPO's variant, (B2) GRPO; (B3) GSPO in policy_loss ---
-
 def _validate_action_mask(rewards, values, action_mask) -> None:
     turn_ids_from_mask(action_mask)                                            # checks the mask
     _check_tensor("rewards", rewards, action_mask, ref_name="action_mask")
@@ -747,7 +614,7 @@ def _validate_action_mask(rewards, values, action_mask) -> None:
 
 
 def _masked_token_residuals(rewards, values, act, gamma) -> tuple[torch.Tensor, torch.Tensor]:
-    """δ_p = r_p + γ V_next − V_p over action tokens (observations skipped), and the masked V."""
+    """δ_p = r_p + γ V_next − V_p on action tokens (observations skipped), and the masked V."""
     dtype = _compute_dtype(values)
     v, r = _masked(values, act, dtype), _masked(rewards, act, dtype)          # (B, T)
     return _masked(r + gamma * _next_action_value(v, act) - v, act, dtype), v
@@ -763,16 +630,12 @@ def _token_trace(delta: torch.Tensor, act: torch.Tensor, decay) -> torch.Tensor:
 def token_gae(rewards: torch.Tensor, values: torch.Tensor, action_mask: torch.Tensor,
               lam: float = 0.95, gamma: float = 1.0, whiten: bool = True,
               *, validate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B1): PPO token GAE over action tokens, A_i = δ_i + γλ A_next, δ_i = r_i + γ V_next − V_i.
+    """(B1): PPO token GAE, A_i = δ_i + γλ A_next, δ_i = r_i + γ V_next − V_i.
 
-    Observation tokens are skipped, as verl's multi-turn GAE does: "next" is the next action
-    token, so the environment's reply costs no discount, but every generated token costs one
-    γλ, so credit crossing a turn of L tokens decays by λ^L (§2). Returns values + A (before
-    whitening) as the critic target; both 0 off the mask.
-
-    Args:
-        rewards, values: (B, T) float; action_mask: (B, T) bool or 0/1 integers (1 = action token).
-        lam: λ in [0, 1]; gamma: γ in [0, 1]; whiten: standardise over the batch's action tokens.
+    "next" is the next action token (observations skipped, as verl's multi-turn GAE): every
+    generated token costs one γλ, so credit crossing a turn of L tokens decays by λ^L (§2).
+    Args: rewards, values (B, T) float; action_mask (B, T) bool or 0/1; lam, gamma in [0, 1].
+    Returns: advantages (whitened if `whiten`) and returns = values + A, (B, T), 0 off the mask.
     """
     _refuse_grad(_TARGETS.format("token_gae"), rewards=rewards, values=values)
     if validate:
@@ -793,19 +656,10 @@ def vapo_advantages(rewards: torch.Tensor, values: torch.Tensor, action_mask: to
                     *, validate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """VAPO (Yue et al., 2025): (B1)'s token GAE with decoupled, length-adaptive λ (γ = 1).
 
-    The policy's advantages use, per row b, λ_b = 1 − 1/(α · l_b), l_b = the row's action-token
-    count (the response length), clamped to [0, 1] (below l = 1/α = 20 tokens the formula is
-    negative; VAPO's responses are thousands of tokens long and never get there); the critic's
-    target uses critic_lam (VAPO: 1.0, the Monte Carlo return Σ_{q >= p} r_q, unbiased for the
-    value). The rest of VAPO sits in the trainer: value pretraining (the critic fits these
-    returns under the initial policy for its first updates, VAPO: 50), clip-higher
-    (ε = 0.2, ε_high = 0.28) and the token-mean loss: `policy_loss(ratio_level="token")`.
-
-    Args:
-        rewards, values: (B, T) float; action_mask: (B, T) bool or 0/1 integers (1 = action token).
-        alpha: α > 0 (VAPO: 0.05); critic_lam: the critic's λ in [0, 1]; whiten: standardise.
-    Returns:
-        advantages (B, T), whitened if `whiten`; returns (B, T) = values + GAE(critic_lam).
+    Policy: λ_b = 1 − 1/(α · l_b), l_b the row's action-token count, clamped to [0, 1]; critic:
+    λ = critic_lam (VAPO: 1.0, the Monte Carlo return); the rest: docs/api.md#vapo_advantages.
+    Args: rewards, values, action_mask as in `token_gae`; alpha α > 0 (VAPO: 0.05); critic_lam
+    in [0, 1]. Returns: advantages (whitened if `whiten`), returns; (B, T), 0 off the mask.
     """
     _refuse_grad(_TARGETS.format("vapo_advantages"), rewards=rewards, values=values)
     if validate:
@@ -828,15 +682,9 @@ def grpo_advantages(scores: torch.Tensor, group_ids: torch.Tensor, turn_ids: tor
                     validate: bool = True) -> torch.Tensor:
     """(B2): GRPO, A_b = (R_b − mean_g R) / (std_g R + eps), broadcast to row b's action tokens.
 
-    g is the group of rollouts sharing group_ids[b] (the same prompt). std is the unbiased
-    standard deviation, as torch.std; a group of one gets A = 0 (no baseline to compare with).
-    scale=False drops the division (Dr. GRPO). Every action token of the row shares one value:
-    the coarse, sequence-level credit of §2.
-
-    Args:
-        scores: (B,) float; group_ids: (B,) int; turn_ids: (B, T) int64.
-    Returns:
-        advantages: (B, T), 0 off action positions.
+    g: the rollouts sharing group_ids[b] (one prompt); std unbiased (torch.std); a group of one
+    gets 0; scale=False drops the division (Dr. GRPO); one value per row, sequence-level (§2).
+    Args: scores (B,) float; group_ids (B,) int; turn_ids (B, T) int64. Returns: (B, T).
     """
     if validate:
         _check_turn_ids(turn_ids)
@@ -864,7 +712,6 @@ def grpo_advantages(scores: torch.Tensor, group_ids: torch.Tensor, turn_ids: tor
 
 
 # --- Diagnostics: explained variance, the critic's turn structure (Appendix C; §1, §3, §9) ----
-
 def explained_variance(values: torch.Tensor, returns: torch.Tensor, turn_ids: torch.Tensor,
                        *, validate: bool = True) -> torch.Tensor:
     """1 − Var(R − V) / Var(R) over action tokens: 1 is a perfect critic, 0 no better than a
@@ -888,14 +735,13 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, turn_ids: to
 PAPER_TURN_VALUE_STRUCTURE = {
     "between_share_token_median": 0.895, "between_share_equal_median": 0.902,
     "between_exceeds_within_frac": 0.938, "boundary_share_sq_changes": 0.092,
-    "boundary_jump_exceeds_span_frac": 0.224, "n_trajectories": 2048, "n_turns": 16323,
-}
+    "boundary_jump_exceeds_span_frac": 0.224, "n_trajectories": 2048, "n_turns": 16323}
 
 
 def _row_value_structure(v: torch.Tensor, t: torch.Tensor, K: int) -> tuple:
     """One row's Appendix C numbers: v (n,) its values at action tokens, t (n,) their turns."""
     dv = v[1:] - v[:-1]
-    crossing = t[1:] != t[:-1]                                                # K − 1 boundary pairs
+    crossing = t[1:] != t[:-1]                                              # K − 1 boundary pairs
     turns = [v[t == k] for k in range(K)]
     L = torch.tensor([float(x.numel()) for x in turns], dtype=torch.float64)  # (K,) L_t
     m = torch.stack([x.mean() for x in turns])                                # (K,) turn means
@@ -912,25 +758,9 @@ def _row_value_structure(v: torch.Tensor, t: torch.Tensor, K: int) -> tuple:
 def turn_value_structure(values, turn_ids) -> dict[str, float]:
     """The paper's Appendix C statistics: do the critic's values vary mainly between turns?
 
-    A row enters every statistic iff it has >= 2 turns and its action-token values are not all
-    equal (the others are counted in n_single_turn and n_constant). Only action tokens are
-    read. For a row, v̄ is the mean of its values, m_t and L_t the mean and token count of turn
-    t, v_{t,i} its values in order; a pair is two consecutive action tokens, crossing when they
-    lie in different turns (observations between them skipped):
-
-      between_share_token_median  median of Σ_t L_t (m_t − v̄)² / Σ_{t,i} (v_{t,i} − v̄)² (89.5%)
-      between_share_equal_median  median of Var_t(m_t) / (Var_t(m_t) + mean_t Var_i(v_{t,i})),
-                                  population variances, turns weighted equally (paper: 90.2%)
-      between_exceeds_within_frac share of rows with Σ_t L_t (m_t − v̄)² > Σ_{t,i} (v_{t,i} − m_t)²
-                                  (paper: 93.8%)
-      boundary_share_sq_changes   pooled over rows, Σ Δv² over crossing pairs / Σ Δv² over all
-                                  pairs (paper: 9.2%)
-      boundary_jump_exceeds_span_frac  share of rows whose mean |Δv| over crossing pairs exceeds
-                                  the mean over turns of P95 − P05 (torch.quantile) (paper: 22.4%)
-      n_trajectories, n_turns     the rows used and their turns.
-    Medians are the usual median; a statistic over no row is NaN. `values` and `turn_ids` may
-    be lists of batches: the statistics are then over all their rows together. A diagnostic
-    (a loop over rows on the CPU in float64). The paper's numbers: `PAPER_TURN_VALUE_STRUCTURE`.
+    The five shares of §1 and §3 over rows with >= 2 turns and non-constant values, and the counts
+    n_trajectories, n_turns, n_single_turn, n_constant; the paper's: `PAPER_TURN_VALUE_STRUCTURE`.
+    values, turn_ids: (B, T), or lists of batches, pooled. See docs/api.md#turn_value_structure.
     """
     pooled = isinstance(values, (list, tuple)), isinstance(turn_ids, (list, tuple))
     if pooled[0] != pooled[1] or (pooled[0] and len(values) != len(turn_ids)):
@@ -960,12 +790,10 @@ def turn_value_structure(values, turn_ids) -> dict[str, float]:
         return sum(xs) / len(xs) if xs else math.nan
 
     sq_all = sum(cols[5])
-    return {
-        "between_share_token_median": median(cols[0]),
-        "between_share_equal_median": median(cols[1]),
-        "between_exceeds_within_frac": frac(cols[2]),
-        "boundary_share_sq_changes": sum(cols[4]) / sq_all if sq_all > 0 else math.nan,
-        "boundary_jump_exceeds_span_frac": frac(cols[3]),
-        "n_trajectories": len(rows), "n_turns": sum(K for K, _ in rows),
-        "n_single_turn": int(n_single), "n_constant": n_constant,
-    }
+    return {"between_share_token_median": median(cols[0]),
+            "between_share_equal_median": median(cols[1]),
+            "between_exceeds_within_frac": frac(cols[2]),
+            "boundary_share_sq_changes": sum(cols[4]) / sq_all if sq_all > 0 else math.nan,
+            "boundary_jump_exceeds_span_frac": frac(cols[3]),
+            "n_trajectories": len(rows), "n_turns": sum(K for K, _ in rows),
+            "n_single_turn": int(n_single), "n_constant": n_constant}
