@@ -43,7 +43,7 @@ def parse_with_presets(config_cls, argv=None):
     from transformers import HfArgumentParser
     import presets
     argv = sys.argv[1:] if argv is None else argv
-    option_types = [p.options for p in presets.PRESETS.values() if p.options]
+    option_types = list(dict.fromkeys(p.options for p in presets.PRESETS.values() if p.options))
     parser = HfArgumentParser([config_cls, *option_types], allow_abbrev=False)  # --step != --steps
     cfg, *options, unknown = parser.parse_args_into_dataclasses(args=argv,
                                                                return_remaining_strings=True)
@@ -67,13 +67,15 @@ def parse_with_presets(config_cls, argv=None):
         if type(opts) is preset.options:
             cfg.preset_options = asdict(opts)
         elif misplaced := sorted(given & {f.name for f in fields(opts)}):
-            owner = next(n for n, p in presets.PRESETS.items() if p.options is type(opts))
-            raise ConfigError(f"--{misplaced[0]} needs --preset {owner}")
+            owners = [n for n, p in presets.PRESETS.items() if p.options is type(opts)]
+            raise ConfigError(f"--{misplaced[0]} needs --preset {' or '.join(owners)}")
     for k, v in preset.overrides.items():
         if k not in given:
             setattr(cfg, k, v)
     if cfg.max_turns == 0:              # the default: the hops' searches, then the answer
         cfg.max_turns = cfg.max_hops + 1
+    if cfg.variant in ("grpo", "gspo"):   # no critic to warm up (a preset's default: ignored)
+        cfg.critic_warmup_steps = 0
     vapo_default = cfg.variant == "vapo" and "vapo_value_steps" not in given
     if vapo_default and cfg.vapo_value_steps >= cfg.steps:
         cfg.vapo_value_steps = cfg.steps // 2     # VAPO's default 50 would leave no policy update
@@ -90,7 +92,7 @@ POSITIVE = ("lora_alpha", "clip_eps", "clip_eps_high", "gspo_clip_low", "gspo_cl
             "max_grad_norm", "temperature", "vapo_alpha")
 NON_NEGATIVE = ("lora_layers", "beta", "value_clip", "vf_coef", "kl_coef", "cpu_threads",
                 "memory_cap_gb", "lr_policy", "lr_critic", "lr_value_head",   # lr 0: frozen
-                "vapo_value_steps")                        # 0: no critic-only warm-up
+                "vapo_value_steps", "critic_warmup_steps")     # 0: no critic-only warm-up
 UNIT_INTERVAL = ("lam", "lam_intra", "ppo_lam")
 
 
@@ -123,6 +125,9 @@ def check_config(cfg) -> None:
         raise ConfigError(f"--vapo_value_steps {cfg.vapo_value_steps} leaves no policy update in "
                           f"--steps {cfg.steps} (the first {cfg.vapo_value_steps} train the "
                           "critic only): lower --vapo_value_steps or raise --steps")
+    if cfg.critic_warmup_steps >= cfg.steps and not cfg.eval_only:
+        raise ConfigError(f"--critic_warmup_steps {cfg.critic_warmup_steps} leaves no policy "
+                          f"update in --steps {cfg.steps}: lower it or raise --steps")
     if cfg.checkpoint and not cfg.eval_only:
         raise ConfigError("--checkpoint is read only by --eval_only: add --eval_only, or continue "
                           "a run with --resume --out_dir RUN")
@@ -584,18 +589,19 @@ def episode_stats(trajs: list, n: int, prefix: str) -> dict[str, float]:
     return out
 
 
-def eval_only(ckpt: Path | None, model, value_head, evaluate: Callable[[], dict],
+def eval_only(ckpt: Path | None, model, value_head, evaluate: Callable[[str], dict],
               out: Path) -> dict:
-    """--eval_only: run `evaluate` on checkpoint `ckpt` or, for None ('base'), the untouched base
-    model (adapters disabled); write out/eval_<name>.json (eval_config resolved the checkpoint)."""
+    """--eval_only: run `evaluate(name)` on checkpoint `ckpt` or, for None ('base'), the untouched
+    base model (adapters disabled); write out/eval_<name>.json (eval_config resolved the
+    checkpoint)."""
     if ckpt is None:
-        with model.disable_adapter():
-            row = evaluate()
         name = "base"
+        with model.disable_adapter():
+            row = evaluate(name)
     else:
-        load_checkpoint(ckpt, model, value_head, None, restore_rng=False)
-        row = evaluate()
         name = ckpt.name
+        load_checkpoint(ckpt, model, value_head, None, restore_rng=False)
+        row = evaluate(name)
     row = {"checkpoint": str(ckpt) if ckpt else "base", **row}
     out.mkdir(parents=True, exist_ok=True)
     (out / f"eval_{name}.json").write_text(json.dumps(row, indent=1))

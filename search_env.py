@@ -398,6 +398,13 @@ SHORT_SYSTEM_PROMPT = ("Answer the question by searching. Write <search>name</se
                        "<answer>name</answer>.")
 
 
+# The multi-hop smol preset: the short prompt, asking for one line of reasoning before each action.
+REASONING_SYSTEM_PROMPT = ("Answer the question by searching. In each turn, first write one line "
+                           "saying what you found and what you need next, then "
+                           "<search>name</search> to look up a name; results come back in "
+                           "<information>. When you have the answer, write <answer>name</answer>.")
+
+
 def user_message(question: Question) -> str:
     """The first user turn."""
     return f"Question: {question.question}"
@@ -658,20 +665,36 @@ def _read_relation(doc: str, subject: str, relation: str) -> str | None:
     return re.sub(r"^the ", "", match.group(1)) if match else None
 
 
-def reading_oracle(question: Question) -> Policy:
+def reading_oracle(question: Question, explain: bool = False) -> Policy:
     """An agent that knows the question's relations and start entity but *reads* every answer off
-    the top-1 document of its last search, as a model must. It fails if retrieval does."""
+    the top-1 document of its last search, as a model must. It fails if retrieval does.
+    ``explain``: each turn opens with one line of reasoning (what was found, what comes next),
+    e.g. "The employer of Pella Moraq is the Quessa Guild. Next I need the founder of the
+    Quessa Guild.\n<search>Quessa Guild</search>": turns of ~20-40 tokens instead of ~8."""
+
+    def phrase(relation: str, x: str) -> str:       # "the employer of Pella Moraq"
+        mention = f"the {x}" if RELATIONS[relation].subject == "organisation" else x
+        return RELATIONS[relation].phrase.format(x=mention)
 
     def policy(messages: list[Message]) -> str:
         turn = sum(m["role"] == "assistant" for m in messages)
         if turn == 0:
-            return f"<search>{question.gold_queries[0]}</search>"
+            start = question.gold_queries[0]
+            why = f"I need {phrase(question.relations[0], start)}, so I look up {start}.\n"
+            return (why if explain else "") + f"<search>{start}</search>"
         _, subject = parse_action(messages[-2]["content"])  # our previous search
         doc = _top_doc(messages[-1]["content"])  # the observation of that search
-        found = _read_relation(doc, subject, question.relations[turn - 1])
+        relation = question.relations[turn - 1]
+        found = _read_relation(doc, subject, relation)
         if found is None:
-            return "<answer>unknown</answer>"
-        return f"<answer>{found}</answer>" if turn == question.hops else f"<search>{found}</search>"
+            why = f"The document does not say {phrase(relation, subject)}.\n"
+            return (why if explain else "") + "<answer>unknown</answer>"
+        said = f"{_capitalise(phrase(relation, subject))} is {found}."
+        if turn == question.hops:
+            return (f"{said} That answers the question.\n" if explain else "") + \
+                f"<answer>{found}</answer>"
+        nxt = f" Next I need {phrase(question.relations[turn], found)}.\n"
+        return (said + nxt if explain else "") + f"<search>{found}</search>"
 
     return policy
 
@@ -718,11 +741,12 @@ def env_factory(splits: Sequence[Split], top_k: int = 3, max_turns: int = 5,
 
 
 def scripted_episodes(split: Split, make_env: Callable[[Question], SearchEnv], n: int = 100,
-                      min_hops: int = 2, max_hops: int = 4, seed: int = 0) -> list[list[Message]]:
+                      min_hops: int = 2, max_hops: int = 4, seed: int = 0,
+                      explain: bool = False) -> list[list[Message]]:
     """Chat episodes for a supervised warm start: up to ``n`` questions on a synthetic ``split``'s
     knowledge base that are not among the split's own questions (the warm start must not
     rehearse the questions RL trains on), each played by ``reading_oracle`` in
-    ``make_env(question)``. A small knowledge base may have fewer than ``n`` left (the smol
+    ``make_env(question)`` (``explain``: with its reasoning lines). A small knowledge base may have fewer than ``n`` left (the smol
     preset's 1-hop one: 45 of 245 beside 200 training questions)."""
     taken = {q.question for q in split.questions}
     pool = make_questions(split.kb, n + len(taken), min_hops, max_hops, seed=seed,
@@ -731,7 +755,7 @@ def scripted_episodes(split: Split, make_env: Callable[[Question], SearchEnv], n
     if not questions:
         raise ValueError(f"the {split.name} knowledge base has no question left for a warm "
                          f"start beside its {len(taken)} questions: lower --n_train")
-    return [run_episode(make_env(q), reading_oracle(q)).messages for q in questions]
+    return [run_episode(make_env(q), reading_oracle(q, explain)).messages for q in questions]
 
 
 def tokenizer_corpus(splits: Sequence[Split], system_prompt: str = SYSTEM_PROMPT) -> list[str]:

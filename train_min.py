@@ -99,6 +99,8 @@ class Config:
     ppo_lam: float = arg(0.95, "λ of the PPO baseline's token GAE")
     vapo_alpha: float = arg(0.05, "VAPO: policy λ = 1 - 1/(α·l), l = response tokens")
     vapo_value_steps: int = arg(50, "VAPO: first N updates train the critic only (VAPO: 50)")
+    critic_warmup_steps: int = arg(0, "first N updates train the critic only, so it predicts "
+                                   "before its values shape advantages (ignored without a critic)")
     clip_eps: float = arg(0.2, "ε of the clipped surrogate")
     clip_eps_high: float = arg(0.28, "upper clip (clip-higher, DAPO); = clip_eps for symmetric")
     dual_clip: float = arg(3.0, "c: loss of A < 0 terms capped at c|A|, every ratio level (0: off)")
@@ -333,16 +335,17 @@ class Suite:
 
 
 def search_suite(cfg: Config, kb_sizes: dict | None = None,
-                 system_prompt: str = search_env.SYSTEM_PROMPT) -> Suite:
+                 system_prompt: str = search_env.SYSTEM_PROMPT, explain: bool = False) -> Suite:
     """The search agent of §10: synthetic multi-hop questions (knowledge base sizes `kb_sizes`,
-    default search_env's; with warm-start episodes) or HotpotQA, under `system_prompt`."""
+    default search_env's; with warm-start episodes, `explain`: with a reasoning line per turn)
+    or HotpotQA, under `system_prompt`."""
     if cfg.dataset not in ("synthetic", "hotpotqa"):
         raise ValueError(f"--dataset {cfg.dataset} is a preset's task: use --preset {cfg.dataset}")
     train, val = search_env.make_splits(cfg.dataset, cfg.n_train, cfg.n_val, cfg.min_hops,
                                         cfg.max_hops, cfg.seed, cfg.hotpotqa_path, kb_sizes)
     make_env = search_env.env_factory((train, val), cfg.top_k, cfg.max_turns, system_prompt)
     warm_start = None if train.kb is None else lambda: search_env.scripted_episodes(
-        train, make_env, 100, cfg.min_hops, cfg.max_hops, seed=cfg.seed)
+        train, make_env, 100, cfg.min_hops, cfg.max_hops, seed=cfg.seed, explain=explain)
     return Suite(train.questions, val.questions, make_env, ("</search>", "</answer>"),
                  search_env.tokenizer_corpus((train, val), system_prompt), warm_start)
 
@@ -591,6 +594,30 @@ def turn_log_ratio_std(logp, old_logp, turn_ids) -> torch.Tensor:
     return log_rho[first].std() if first.sum() > 1 else log_rho.new_zeros(())
 
 
+def policy_backward(model, batch, micro, h, n_tok, clip: tuple[float, float],
+                    cfg: Config) -> dict:
+    """The policy loss of one micro-batch (and the KL penalty), backward into the policy
+    adapter; its statistics. `h`: the micro-batch's frozen_states; `n_tok`: the minibatch's
+    action tokens, the one denominator of its token mean."""
+    ids, attn, tid = batch["ids"][micro], batch["attn"][micro], batch["turn_ids"][micro]
+    use_adapter(model, "policy")
+    logp, entropy = token_logprobs(model, ids, attn, tid >= 0, cfg.temperature, h)
+    loss_pi, stats = mpo.policy_loss(                                        # MPO: turn ratio
+        logp, batch["old_logp"][micro], batch["advantages"][micro], tid,
+        clip_eps=clip[0], ratio_level=ratio_level(cfg), clip_eps_high=clip[1],
+        dual_clip=cfg.dual_clip or None,               # bounds a runaway turn ratio
+        num_tokens=n_tok, validate=False)
+    stats["turn_log_ratio_std"] = turn_log_ratio_std(logp, batch["old_logp"][micro], tid)
+    loss = loss_pi
+    if cfg.kl_coef > 0:                   # k3 estimator of KL(π ‖ base), token mean
+        d = torch.where(tid >= 0, batch["ref_logp"][micro] - logp, 0.0)
+        kl = torch.where(tid >= 0, d.exp() - 1 - d, 0.0).sum() / n_tok
+        loss = loss + cfg.kl_coef * kl
+        stats["kl_base"] = kl.detach()
+    loss.backward()                       # before switching adapters (see use_adapter)
+    return {**stats, "policy_loss": loss_pi.detach(), "entropy": entropy}
+
+
 def update(model, value_head, opt, batch, cfg: Config) -> dict[str, float]:
     """PPO-style epochs over the batch; returns each statistic's mean over the minibatches."""
     model.train()
@@ -598,6 +625,7 @@ def update(model, value_head, opt, batch, cfg: Config) -> dict[str, float]:
     eps, eps_high = ((cfg.gspo_clip_low, cfg.gspo_clip_high) if cfg.variant == "gspo"
                      else (cfg.clip_eps, cfg.clip_eps_high))     # GSPO clips a sequence ratio
     loss_keys = ("policy_loss", "value_loss", "kl_base")   # already minibatch token means
+    train_policy = batch.get("step", 0) >= cfg.critic_warmup_steps     # critic warm-up: no π
     totals, n_minibatches = {}, 0
     params = [p for g in opt.param_groups for p in g["params"]]
     for _ in range(cfg.ppo_epochs):
@@ -607,23 +635,9 @@ def update(model, value_head, opt, batch, cfg: Config) -> dict[str, float]:
             for micro in mb.split(cfg.micro_batch_size):
                 ids, attn, tid = batch["ids"][micro], batch["attn"][micro], batch["turn_ids"][micro]
                 h = batch["frozen"][micro] if batch["frozen"] is not None else None
-                use_adapter(model, "policy")
-                logp, entropy = token_logprobs(model, ids, attn, tid >= 0, cfg.temperature, h)
-                loss_pi, stats = mpo.policy_loss(                                # MPO: turn ratio
-                    logp, batch["old_logp"][micro], batch["advantages"][micro], tid,
-                    clip_eps=eps, ratio_level=ratio_level(cfg), clip_eps_high=eps_high,
-                    dual_clip=cfg.dual_clip or None,       # bounds a runaway turn ratio
-                    num_tokens=n_tok, validate=False)
-                stats["turn_log_ratio_std"] = turn_log_ratio_std(logp, batch["old_logp"][micro],
-                                                                 tid)
-                loss = loss_pi
-                if cfg.kl_coef > 0:       # k3 estimator of KL(π ‖ base), token mean
-                    d = torch.where(tid >= 0, batch["ref_logp"][micro] - logp, 0.0)
-                    kl = torch.where(tid >= 0, d.exp() - 1 - d, 0.0).sum() / n_tok
-                    loss = loss + cfg.kl_coef * kl
-                    stats["kl_base"] = kl.detach()
-                loss.backward()           # before switching adapters (see use_adapter)
-                stats.update(policy_loss=loss_pi.detach(), entropy=entropy)
+                stats = {}
+                if train_policy:          # MPO: turn ratio; backward before the critic's pass
+                    stats = policy_backward(model, batch, micro, h, n_tok, (eps, eps_high), cfg)
                 if cfg.uses_critic:
                     use_adapter(model, "critic")
                     v = token_values(model, value_head, ids, attn, h)
@@ -645,10 +659,32 @@ def update(model, value_head, opt, batch, cfg: Config) -> dict[str, float]:
 
 
 # --- Evaluation (logging, checkpoints: run_utils.py) -------------------------------------------
-def evaluate(model, tok, suite: Suite, cfg: Config) -> dict[str, float]:
+def evaluate(model, tok, suite: Suite, cfg: Config, path: Path | None = None) -> dict[str, float]:
+    """Validation statistics; with `path`, one JSON line per episode there (question, sample,
+    reward, turns, malformed, answer, ...), so runs can be compared question by question."""
     n = 1 if cfg.greedy_eval else cfg.eval_samples
     trajs = rollout(model, tok, suite, suite.val, cfg, n, greedy=cfg.greedy_eval)
+    if path is not None:
+        write_outcomes(trajs, suite.val, n, path)
     return episode_stats(trajs, n, "val/")
+
+
+def write_outcomes(trajs: list[Trajectory], tasks: list, n: int, path: Path) -> None:
+    """Per-episode outcomes as JSON lines, written atomically (a crash leaves no half file)."""
+    lines = []
+    for i, t in enumerate(trajs):
+        task = tasks[t.group]
+        row = {"index": t.group, "sample": i % n, "id": getattr(task, "id", str(t.group)),
+               "question": getattr(task, "question", None), "gold": getattr(task, "answer", None),
+               "reward": t.reward, "turns": t.n_turns,
+               "action_tokens": sum(x >= 0 for x in t.turn_ids)}
+        row.update({k: v for k, v in t.info.items()
+                    if isinstance(v, (bool, int, float, str)) and k != "turns"})
+        lines.append(json.dumps(row))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("\n".join(lines) + "\n")
+    tmp.replace(path)
 
 
 # --- Main: one iteration = rollout, advantages, update, evaluation / log / checkpoint ---------
@@ -675,12 +711,13 @@ def train(argv: list[str]) -> dict:
     tok, model, value_head = load_model(cfg, device)
     opt = make_optimizer(model, value_head, cfg)
     if cfg.eval_only:
-        return eval_only(ckpt, model, value_head, lambda: evaluate(model, tok, suite, cfg), out)
+        return eval_only(ckpt, model, value_head, lambda name: evaluate(
+            model, tok, suite, cfg, out / "eval" / f"eval_{name}.jsonl"), out)
     (out / "config.json").write_text(json.dumps(asdict(cfg), indent=1))
     step = resume(intact, model, value_head, opt)    # the newest checkpoint that loads; 0: new
     log = MetricsLog(out, step, cfg.tensorboard)     # metrics.jsonl: the rows up to `step`
     if step == 0 and cfg.eval_first:    # the starting point every later value is compared to
-        row = {"step": 0, **evaluate(model, tok, suite, cfg)}
+        row = {"step": 0, **evaluate(model, tok, suite, cfg, out / "eval" / "step_0000.jsonl")}
         log.write(row, tensorboard=False)
         print(f"step    0 | val pass@1 {row['val/pass@1']:.3f} (before training)")
     from tqdm import tqdm
@@ -715,7 +752,7 @@ def train(argv: list[str]) -> dict:
                 structure = mpo.turn_value_structure(batch["values"], batch["turn_ids"])
                 row.update({f"critic/{k}": v for k, v in structure.items()})
         if done % cfg.eval_every == 0 or done == cfg.steps:
-            row.update(evaluate(model, tok, suite, cfg))
+            row.update(evaluate(model, tok, suite, cfg, out / "eval" / f"step_{done:04d}.jsonl"))
         log.write(row)
         bar.write(log_line(row, stats))
         if done % cfg.save_every == 0 or done == cfg.steps or stop.stop:

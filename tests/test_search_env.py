@@ -335,3 +335,21 @@ def test_warm_start_episodes_never_rehearse_a_training_question():
     with pytest.raises(ValueError, match="no question left for a warm start"):
         se.scripted_episodes(everything, se.env_factory((everything,), 1, 3),
                                      10, 1, 1)
+
+
+def test_explaining_oracle_writes_a_reasoning_line_before_the_same_actions():
+    train, val = se.make_dataset(n_train=30, n_val=5, min_hops=2, max_hops=3, seed=1)
+    make_env = se.env_factory((train, val), top_k=1, max_turns=5)
+    for q in train.questions:
+        plain = se.run_episode(make_env(q), se.reading_oracle(q))
+        told = se.run_episode(make_env(q), se.reading_oracle(q, explain=True))
+        turns = [m["content"] for m in told.messages if m["role"] == "assistant"]
+        assert [se.parse_action(t) for t in turns] == [
+            se.parse_action(m["content"]) for m in plain.messages if m["role"] == "assistant"]
+        assert told.reward == plain.reward
+        for t in turns:                                   # "<line>\n<search>..." or "\n<answer>"
+            line, action = t.split("\n")
+            assert len(line.split()) >= 8 and action.startswith(("<search>", "<answer>"))
+        assert q.gold_queries[0] in turns[0].split("\n")[0]
+    solved = [se.run_episode(make_env(q), se.reading_oracle(q, True)).reward for q in train.questions]
+    assert sum(solved) >= 0.9 * len(solved)

@@ -566,6 +566,16 @@ def test_tiny_preset_end_to_end_writes_metrics_and_complete_checkpoints(full_run
         assert load_file(ck / "adapters" / "critic" / "adapter_model.safetensors")
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["preset"] == "tiny" and cfg["steps"] == 4
+    # one line per validation episode at every evaluation, agreeing with the logged statistics
+    assert sorted(p.name for p in (out / "eval").iterdir()) == ["step_0002.jsonl", "step_0004.jsonl"]
+    for r in rows[1::2]:
+        lines = [json.loads(x) for x in (out / "eval" / f"step_{r['step']:04d}.jsonl").read_text().splitlines()]
+        assert len(lines) == cfg["n_val"] * cfg["eval_samples"]
+        assert sorted((x["index"], x["sample"]) for x in lines) == [
+            (i, j) for i in range(cfg["n_val"]) for j in range(cfg["eval_samples"])]
+        assert math.isclose(sum(x["reward"] for x in lines) / len(lines), r["val/reward"], abs_tol=1e-12)
+        assert all(isinstance(x["question"], str) and x["question"] and isinstance(x["gold"], str)
+                   and {"turns", "malformed", "answer", "em", "action_tokens"} <= x.keys() for x in lines)
 
 
 def _stable(row: dict) -> str:
@@ -700,6 +710,8 @@ def test_eval_only_scores_a_checkpoint_and_the_base_model(e2e, full_run, base):
         assert 0.0 <= row["val/pass@1"] <= row["val/pass@2"] <= 1.0
         written = list(out.glob("eval_*.json"))
         assert len(written) == 1 and json.loads(written[0].read_text()) == row
+        outcomes = list((out / "eval").glob("eval_*.jsonl"))         # per question, as in training
+        assert len(outcomes) == 1 and len(outcomes[0].read_text().splitlines()) == 4 * 2
     with pytest.raises(SystemExit, match="--eval_only needs --checkpoint"):
         run_main(args + ["--out_dir", str(base / "eval_none")])
 
@@ -836,3 +848,30 @@ def test_gates_turn_log_ratio_spread_and_within_turn_share_of_advantage_variance
     assert math.isclose(run_utils.within_turn_share(varied, tid),
                         2.0 / float(((a - a.mean()) ** 2).sum()), rel_tol=1e-9)   # turn 0: SS 2
     assert run_utils.within_turn_share(varied, torch.full_like(tid, -1)) == 0.0
+
+
+def test_critic_warmup_steps_train_only_the_critic_then_the_policy(fresh, hand_batch, tiny_path, base):
+    tok, model, value_head = fresh
+    ids, attn, turn_ids = hand_batch
+    c = make_cfg(tiny_path, base, "--critic_warmup_steps", "2", "--minibatches", "1")
+    batch = {"ids": ids, "attn": attn, "turn_ids": turn_ids}
+    train_min.score_batch(model, value_head, batch, c)
+    act = turn_ids >= 0
+    g = torch.Generator().manual_seed(11)
+    batch["advantages"] = torch.where(act, torch.randn(ids.shape, generator=g), 0.0)
+    batch["returns"] = torch.where(act, torch.randn(ids.shape, generator=g), 0.0)
+    opt = train_min.make_optimizer(model, value_head, c)
+
+    def snapshot(tag):
+        return {n: p.detach().clone() for n, p in model.named_parameters() if f".{tag}." in n}
+    for step, policy_moves in ((0, False), (1, False), (2, True)):
+        before_pi, before_v = snapshot("policy"), snapshot("critic")
+        batch["step"] = step
+        stats = train_min.update(model, value_head, opt, batch, c)
+        moved_pi = any(not torch.equal(p, before_pi[n]) for n, p in snapshot("policy").items())
+        moved_v = any(not torch.equal(p, before_v[n]) for n, p in snapshot("critic").items())
+        assert moved_v and moved_pi == policy_moves, step
+        assert ("policy_loss" in stats) == policy_moves and stats["value_loss"] > 0
+    with pytest.raises(ValueError, match="--critic_warmup_steps 4 leaves no policy update in --steps 4"):
+        make_cfg(tiny_path, base, "--critic_warmup_steps", "4")
+    assert make_cfg(tiny_path, base, "--critic_warmup_steps", "2", "--variant", "grpo").critic_warmup_steps == 0
