@@ -333,12 +333,26 @@ def flag(default, help: str):
 
 @dataclass
 class TestbedOptions:
-    """The testbed's own flags: K turns of L tokens, the first token of each turn the key."""
+    """The testbed's own flags: K turns of L tokens, the first token of each turn the key. The
+    defaults are the original task; the v2 regime of docs/testbed.md is decisive first, key
+    anywhere, full turns, no feedback."""
     testbed_turns: int = flag(3, "testbed: K, turns per episode (one key each)")
     testbed_turn_len: int = flag(4, "testbed: L, tokens per turn (1 key + L-1 fillers)")
     testbed_keys: int = flag(8, "testbed: clue/key pairs of the hidden mapping (chance ~ 1/vocab)")
     testbed_streaming: bool = flag(False, "testbed: a reply after every token (§11): K*L turns")
     testbed_feedback: bool = flag(True, "testbed: the reply after a key says ok/no")
+    testbed_decisive: str = flag("every", "testbed: whose keys decide R: every turn's (R = the "
+                                 "fraction right) | first (turn 0's only, R = 0/1; later turns "
+                                 "see 'next' and change nothing)")
+    testbed_key_anywhere: bool = flag(False, "testbed: a turn's answer is its first key word "
+                                      "wherever it stands (default: the turn's first word)")
+    testbed_full_turns: bool = flag(False, "testbed: every turn runs to L tokens (its end marker "
+                                    "is no stop id; default: a sampled <|im_end|> ends it)")
+
+    def __post_init__(self):
+        from experiments import testbed_env
+        testbed_env.check_options(self.testbed_streaming, self.testbed_decisive,
+                                  self.testbed_key_anywhere, self.testbed_full_turns)
 
 
 # temperature: the random base's logits span only about ±1.3 nats (init std 0.02, frozen final norm
@@ -372,10 +386,13 @@ def testbed_suite(cfg):
 
     def make_env(task):
         return testbed_env.KeyTurnEnv(task, o.testbed_turn_len, o.testbed_streaming,
-                                      o.testbed_feedback)
+                                      o.testbed_feedback, o.testbed_decisive,
+                                      o.testbed_key_anywhere)
 
-    return Suite(train, val, make_env, corpus=[" ".join(testbed_env.words(o.testbed_keys))],
-                 tokenizer=lambda: testbed_env.build_tokenizer(o.testbed_keys))
+    return Suite(train, val, make_env, corpus=testbed_env.corpus(o.testbed_keys,
+                                                                 o.testbed_full_turns),
+                 tokenizer=lambda: testbed_env.build_tokenizer(o.testbed_keys,
+                                                               o.testbed_full_turns))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -26,6 +26,19 @@ the reward are unchanged. Every turn is one token, so turn-level and token-level
 there: MPO's turn GAE becomes token GAE with λ = 0.8, its turn ratio the token ratio, and its
 centred correction is zero.
 
+The regime of the paper's argument (§2: credit crossing long turns; docs/testbed.md, "v2"):
+
+- `--testbed_decisive first`: only turn 0's key decides, R = 1{key of turn 0 = f(c_0)} (0 or 1),
+  still paid at the end of the last turn; turns 1..K−1 show "next" instead of a clue and their
+  words change nothing, so R's credit must cross K − 1 turns to reach the decision.
+- `--testbed_key_anywhere`: a turn's answer is its first key word wherever it stands (words
+  before it are fillers), so the decisive token has no fixed position in its turn.
+- `--testbed_full_turns`: every turn runs to its L tokens. train_min's `generate` stops a turn at
+  the tokenizer's eos / pad / `<|im_end|>`; this tokenizer closes turns with `<|end|>` and pads with
+  `<unk>`, so no sampleable id stops a turn (a sampled `<|end|>` is an ordinary word, decoded
+  away). Without it a random policy ends its turns after ~10 tokens whatever L is (measured at
+  L = 64: 9-11 sampled tokens per turn), and L would be only a cap.
+
 Vocabulary: the words below plus the chat markers; the tokenizer (`build_tokenizer`) is
 word-level, one id per word, and the chat template renders only vocabulary words, so every
 sampled id decodes and re-encodes to itself. Run through train_min.py (`--preset testbed`),
@@ -40,19 +53,26 @@ from dataclasses import dataclass
 from search_env import StepResult
 
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>")
+# --testbed_full_turns: the same four ids, the end-of-turn marker renamed so that train_min's
+# generate does not stop at it (it stops at eos, pad and "<|im_end|>"); pad is <unk>, eos none
+FULL_TURN_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|end|>", "<unk>")
 N_FILLERS = 4                 # filler words f0..f3: cheap to sample, never scored
 TICK = "next"                 # the streaming environment's observation between non-key tokens
 VERDICT = ("no", "ok")        # the reply to a key: wrong / right (with feedback on)
 MAPPING_SEED = 1234           # f is fixed across tasks, runs and seeds: the thing to learn
+DECISIVE = ("every", "first")  # --testbed_decisive: every turn's key counts, or turn 0's only
 
 # A minimal chat layout: a user message (an observation) opens a block, the assistant's turn
 # closes it. No role words: the key is predicted right at the clue, so a tiny random model needs
 # no attention circuit to see it and what remains hard is the credit assignment.
 #   [user c3, assistant "k1 f0", user c0] -> "<|im_start|>c3 k1 f0<|im_end|><|im_start|>c0 "
-CHAT_TEMPLATE = (
-    "{% for m in messages %}{% if m['role'] == 'assistant' %}{{ m['content'] }}<|im_end|>"
-    "{% else %}<|im_start|>{{ m['content'] }} {% endif %}{% endfor %}"
-)
+def chat_template(end: str = "<|im_end|>") -> str:
+    """The layout above with `end` closing an assistant turn ("<|end|>" with full turns)."""
+    return ("{% for m in messages %}{% if m['role'] == 'assistant' %}{{ m['content'] }}" + end
+            + "{% else %}<|im_start|>{{ m['content'] }} {% endif %}{% endfor %}")
+
+
+CHAT_TEMPLATE = chat_template()
 
 
 def clue_word(i: int) -> str:
@@ -70,6 +90,24 @@ def words(n_keys: int) -> list[str]:
     """
     return [*map(clue_word, range(n_keys)), *map(key_word, range(n_keys)),
             *(f"f{i}" for i in range(N_FILLERS)), TICK, *VERDICT]
+
+
+def is_key(word: str) -> bool:
+    """A key word k<i>. Example: is_key("k3") -> True; is_key("f3"), is_key("ok") -> False."""
+    return word[:1] == "k" and word[1:].isdigit()
+
+
+def check_options(streaming: bool = False, decisive: str = "every", key_anywhere: bool = False,
+                  full_turns: bool = False) -> None:
+    """Refuse the testbed flag combinations that mean nothing (a ValueError naming the flags)."""
+    if decisive not in DECISIVE:
+        raise ValueError(f"--testbed_decisive must be one of {', '.join(DECISIVE)}, got {decisive!r}")
+    if streaming and key_anywhere:
+        raise ValueError("--testbed_key_anywhere needs turns of several tokens: with "
+                         "--testbed_streaming every turn is one token and the key's slot is fixed")
+    if streaming and full_turns:
+        raise ValueError("--testbed_full_turns does nothing with --testbed_streaming: every turn "
+                         "is already its one token")
 
 
 def hidden_mapping(n_keys: int) -> list[int]:
@@ -129,16 +167,21 @@ def max_episode_tokens(turns: int, turn_len: int, streaming: bool) -> int:
 class KeyTurnEnv:
     """One episode of `task`: K turns of `turn_len` words, or K·L one-word turns when `streaming`.
 
-    The key of turn k is the first word of the assistant's text after clue c_k is shown (the
-    rollout decodes with special tokens removed, so a sampled <|im_start|> or <unk> is invisible);
-    a turn that ends early (the model sampled <|im_end|>) keeps whatever words it has; an empty one
-    misses its key. Terminal info: correct (0/1 per key), all_correct, turns, malformed (False).
+    A turn's answer is its first word, or with `key_anywhere` its first key word (the rollout
+    decodes with special tokens removed, so a sampled <|im_start|> or <unk> is invisible); a turn
+    that ends early (the model sampled <|im_end|>) keeps whatever words it has; a turn without an
+    answer misses its key. `decisive`: "every" (each turn's key counts, R = fraction right) or
+    "first" (only turn 0's, R = 0/1; later turns see "next" and are not scored). Terminal info:
+    correct (0/1 per scored key), all_correct, turns, malformed (False).
     """
 
-    def __init__(self, task: Task, turn_len: int, streaming: bool = False, feedback: bool = True):
+    def __init__(self, task: Task, turn_len: int, streaming: bool = False, feedback: bool = True,
+                 decisive: str = "every", key_anywhere: bool = False):
         if turn_len < 1:
             raise ValueError(f"turn_len must be >= 1, got {turn_len}")
+        check_options(streaming, decisive, key_anywhere)
         self.task, self.turn_len, self.streaming, self.feedback = task, turn_len, streaming, feedback
+        self.decisive, self.key_anywhere = decisive, key_anywhere
         self.correct: list[int] = []
         self.steps, self.done = 0, True
 
@@ -152,35 +195,48 @@ class KeyTurnEnv:
         self.correct, self.steps, self.done = [], 0, False
         return [{"role": "user", "content": clue_word(self.task.clues[0])}]
 
+    def answer(self, assistant_text: str) -> str:
+        """The turn's answer: its first word, or its first key word with key_anywhere ("": none)."""
+        words = assistant_text.split()
+        if self.key_anywhere:
+            words = [w for w in words if is_key(w)]
+        return (words or [""])[0]
+
     def step(self, assistant_text: str) -> StepResult:
         if self.done:
             raise RuntimeError("the episode is over; call reset()")
-        first = (assistant_text.split() or [""])[0]
+        group = self.steps // self.turn_len if self.streaming else self.steps   # logical turn k
         key_slot = not self.streaming or self.steps % self.turn_len == 0
-        if key_slot:
-            k = len(self.correct)
-            self.correct.append(int(first == key_word(self.task.keys[k])))
+        scored = key_slot and (self.decisive == "every" or group == 0)
+        if scored:
+            self.correct.append(int(self.answer(assistant_text) == key_word(self.task.keys[group])))
         self.steps += 1
         if self.steps == self.n_steps:
             self.done = True
             reward = sum(self.correct) / len(self.correct)
             return StepResult(None, True, reward, {"correct": list(self.correct), "turns": self.steps,
                                                    "all_correct": float(all(self.correct)), "malformed": False})
-        reply = [VERDICT[self.correct[-1]]] if key_slot and self.feedback else []
-        if not self.streaming or self.steps % self.turn_len == 0:      # the next key turn's clue
-            reply.append(clue_word(self.task.clues[len(self.correct)]))
+        reply = [VERDICT[self.correct[-1]]] if scored and self.feedback else []
+        group_ends = not self.streaming or self.steps % self.turn_len == 0
+        if group_ends and self.decisive == "every":                       # the next key turn's clue
+            reply.append(clue_word(self.task.clues[self.steps // self.turn_len if self.streaming
+                                                   else self.steps]))
         return StepResult(" ".join(reply) or TICK, False, 0.0, {"turns": self.steps})
 
 
-def oracle_policy(task: Task, turn_len: int, streaming: bool = False, filler: str = "f0"):
-    """A scripted agent that always answers correctly: for tests and the docs' worked example."""
+def oracle_policy(task: Task, turn_len: int, streaming: bool = False, filler: str = "f0",
+                  key_at: int = 0):
+    """A scripted agent that always answers correctly, its key at word `key_at` of each turn
+    (fillers around it): for tests and the docs' worked example."""
     state = {"n": 0}
 
     def policy(messages: list[dict]) -> str:
         n, state["n"] = state["n"], state["n"] + 1
         if streaming:
             return key_word(task.keys[n // turn_len]) if n % turn_len == 0 else filler
-        return " ".join([key_word(task.keys[n])] + [filler] * (turn_len - 1))
+        turn = [filler] * turn_len
+        turn[key_at] = key_word(task.keys[n])
+        return " ".join(turn)
     return policy
 
 
@@ -188,20 +244,34 @@ def oracle_policy(task: Task, turn_len: int, streaming: bool = False, filler: st
 # Word-level tokenizer
 # ---------------------------------------------------------------------------------------------
 
-def build_tokenizer(n_keys: int):
+def corpus(n_keys: int, full_turns: bool = False) -> list[str]:
+    """The tiny model's build text (part of its cache key): the words, and with full turns the
+    renamed end marker, so the two tokenizers never share a cached model folder."""
+    return [" ".join(words(n_keys))] + ([FULL_TURN_SPECIALS[2]] if full_turns else [])
+
+
+def build_tokenizer(n_keys: int, full_turns: bool = False):
     """A word-level PreTrainedTokenizerFast over SPECIALS + words(n_keys), with the chat template.
 
     Specials are matched before whitespace splitting, so "<|im_start|>c3 k1<|im_end|>" encodes to
     [<|im_start|>, c3, k1, <|im_end|>]; decode (no decoder set) joins words with single spaces. eos =
     <|im_end|> (ends a turn), pad = <|endoftext|>, unk = <unk>; padding on the left for generate.
+    full_turns: FULL_TURN_SPECIALS (the same ids), turns closed by <|end|>, no eos, pad = <unk>:
+    nothing the policy can sample stops `generate`, so every turn has max_new_tokens ids.
     """
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
-    vocab = {w: i for i, w in enumerate([*SPECIALS, *words(n_keys)])}
+    specials = FULL_TURN_SPECIALS if full_turns else SPECIALS
+    vocab = {w: i for i, w in enumerate([*specials, *words(n_keys)])}
     wl = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     wl.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    wl.add_special_tokens(list(SPECIALS))
-    tok = PreTrainedTokenizerFast(tokenizer_object=wl, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                  unk_token="<unk>", extra_special_tokens=["<|im_start|>"], padding_side="left")
-    tok.chat_template = CHAT_TEMPLATE
+    wl.add_special_tokens(list(specials))
+    if full_turns:                  # no eos; the unused <|endoftext|> and <|end|> decode away
+        ends = {"eos_token": None, "pad_token": "<unk>", "extra_special_tokens": list(specials[:3])}
+    else:
+        ends = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+                "extra_special_tokens": ["<|im_start|>"]}
+    tok = PreTrainedTokenizerFast(tokenizer_object=wl, unk_token="<unk>", padding_side="left",
+                                  **ends)
+    tok.chat_template = chat_template(specials[2])
     return tok

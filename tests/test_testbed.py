@@ -81,6 +81,82 @@ def test_streaming_env_has_k_times_l_one_token_turns_with_clues_at_key_slots():
     assert res.reward == 0.5 and res.info["correct"] == [1, 0]                      # only slots 0 and 3 count
 
 
+def test_decisive_first_scores_only_turn_0_and_later_turns_see_next():
+    task = te.Task(clues=(5, 0, 3), keys=(2, 7, 4))
+    env = te.KeyTurnEnv(task, 3, feedback=False, decisive="first")
+    obs, res = play(env, ["k2 f0 f1", "k0 k0 k0", "f0"])                 # turn 0 right, rest wrong
+    assert obs == ["c5", "next", "next"]                                  # no verdict, no clue
+    assert (res.reward, res.info["correct"], res.info["all_correct"]) == (1.0, [1], 1.0)
+    _, res = play(env, ["k0 f0 f1", "k7 f0 f0", "k4"])                   # later keys right: ignored
+    assert (res.reward, res.info["correct"]) == (0.0, [0])
+    obs, res = play(te.KeyTurnEnv(task, 3, decisive="first"), ["k2", "k7", "k4"])   # feedback on
+    assert obs == ["c5", "ok", "next"] and res.reward == 1.0
+    obs, res = play(te.KeyTurnEnv(task, 3, feedback=False), ["k2", "k0", "k4"])      # every, old
+    assert obs == ["c5", "c0", "c3"] and res.reward == pytest.approx(2 / 3)
+
+
+@pytest.mark.parametrize("text, right", [
+    ("k2 f0 f1 f2", 1),        # key first
+    ("f0 f1 c3 k2", 1),        # key last
+    ("f0 ok k2 f3", 1),        # key in the middle, after a verdict word
+    ("f0 f1 c3 ok", 0),        # no key word at all
+    ("f0 k1 k2 f3", 0),        # the first key word is the answer: a wrong one before the right one
+    ("", 0),                   # empty turn
+])
+def test_key_anywhere_takes_the_first_key_word_of_turn_0(text, right):
+    task = te.Task(clues=(5, 0, 3), keys=(2, 7, 4))
+    env = te.KeyTurnEnv(task, 4, feedback=False, decisive="first", key_anywhere=True)
+    _, res = play(env, [text, "k7 k7", "k4"])
+    assert res.reward == right and res.info["correct"] == [right]
+    fixed = te.KeyTurnEnv(task, 4, feedback=False, decisive="first")    # default: the first word
+    _, res = play(fixed, [text, "k7", "k4"])
+    assert res.reward == int(text.startswith("k2"))
+
+
+def test_key_anywhere_with_every_turn_decisive_is_the_fraction_of_first_keys_right():
+    task = te.Task(clues=(5, 0, 3), keys=(2, 7, 4))
+    env = te.KeyTurnEnv(task, 3, key_anywhere=True)
+    obs, res = play(env, ["f1 k2 k0", "k0 k7 f0", "f2 f2 k4"])
+    assert obs == ["c5", "ok c0", "no c3"] and res.info["correct"] == [1, 0, 1]
+    policy = te.oracle_policy(task, 3, key_at=2)
+    answers = [policy([]) for _ in range(3)]
+    assert answers == ["f0 f0 k2", "f0 f0 k7", "f0 f0 k4"]
+    assert play(te.KeyTurnEnv(task, 3, key_anywhere=True), answers)[1].reward == 1.0
+    assert play(te.KeyTurnEnv(task, 3), answers)[1].reward == 0.0          # fixed slot: all missed
+
+
+def test_streaming_with_decisive_first_scores_group_0_and_shows_no_later_clue():
+    task = te.Task(clues=(1, 6), keys=(4, 0))
+    env = te.KeyTurnEnv(task, 3, streaming=True, decisive="first")
+    obs, res = play(env, ["k4", "f0", "f0", "k1", "f0", "f0"])
+    assert obs == ["c1", "ok", "next", "next", "next", "next"]
+    assert (res.reward, res.info["correct"]) == (1.0, [1])
+    _, res = play(te.KeyTurnEnv(task, 3, streaming=True, decisive="first"),
+                  ["f0", "k4", "f0", "k0", "f0", "f0"])
+    assert res.reward == 0.0                                   # slot 0 missed; slot 3 not scored
+
+
+@pytest.mark.parametrize("kwargs, flags", [
+    ({"streaming": True, "key_anywhere": True}, ("--testbed_key_anywhere", "--testbed_streaming")),
+    ({"streaming": True, "full_turns": True}, ("--testbed_full_turns", "--testbed_streaming")),
+    ({"decisive": "last"}, ("--testbed_decisive",)),
+])
+def test_meaningless_flag_combinations_are_refused_naming_the_flags(kwargs, flags):
+    with pytest.raises(ValueError) as err:
+        te.check_options(**kwargs)
+    assert all(f in str(err.value) for f in flags)
+    argv = ["--preset", "testbed"]
+    for k, v in kwargs.items():
+        argv += [f"--testbed_{k}", str(v).lower()]
+    with pytest.raises(ValueError, match=flags[0]):
+        train_min.parse_config(argv)
+    if "full_turns" not in kwargs:                             # the environment refuses it too
+        with pytest.raises(ValueError, match=flags[0]):
+            te.KeyTurnEnv(te.Task((0,), (1,)), 2, **kwargs)
+    te.check_options(streaming=True, decisive="first")            # these mean something
+    te.check_options(key_anywhere=True, full_turns=True, decisive="first")
+
+
 def test_step_after_the_end_raises():
     env = te.KeyTurnEnv(te.Task((0,), (1,)), 2)
     env.reset()
@@ -105,6 +181,10 @@ def test_turn_budget_and_episode_length_bound():
     assert te.turn_budget(3, 4, True) == (12, 1)
     assert te.max_episode_tokens(3, 4, False) == 2 + 3 * (4 + 4)
     assert te.max_episode_tokens(3, 4, True) == 2 + 12 * (1 + 4)
+    assert te.turn_budget(3, 64, False) == (3, 64)
+    # the preset's cap holds the longest v2 episode (K = 3, L = 64) and its streaming version
+    assert te.max_episode_tokens(3, 64, False) == 2 + 3 * (64 + 4) <= presets.TESTBED["max_total_tokens"]
+    assert te.max_episode_tokens(3, 64, True) == 2 + 192 * 5 <= presets.TESTBED["max_total_tokens"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -119,6 +199,26 @@ def test_tokenizer_has_one_id_per_word_and_round_trips():
     assert ids == list(range(len(te.SPECIALS), len(tok)))
     assert tok.decode(ids) == " ".join(words)
     assert (tok.eos_token, tok.pad_token, tok.unk_token) == ("<|im_end|>", "<|endoftext|>", "<unk>")
+
+
+def test_full_turn_tokenizer_has_no_id_that_stops_generate_and_the_same_word_ids():
+    """train_min.generate_turns stops at eos, pad and <|im_end|> (minus unk); with full turns that
+    set is empty, so every turn runs to max_new_tokens. The default keeps <|im_end|> as eos."""
+    def stop_ids(tok):
+        ids = {tok.eos_token_id, tok.pad_token_id, *tok.convert_tokens_to_ids(["<|im_end|>"])}
+        return ids - {None, tok.unk_token_id}
+    plain, full = te.build_tokenizer(8), te.build_tokenizer(8, full_turns=True)
+    assert stop_ids(plain) == {plain.convert_tokens_to_ids("<|im_end|>"), plain.pad_token_id}
+    assert stop_ids(full) == set()
+    assert len(full) == len(plain) == 27
+    words = " ".join(te.words(8))
+    assert full(words, add_special_tokens=False).input_ids == plain(words, add_special_tokens=False).input_ids
+    msgs = [{"role": "user", "content": "c3"}, {"role": "assistant", "content": "k1 f0"}, {"role": "user", "content": "c0"}]
+    ids = full.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert full.convert_ids_to_tokens(ids) == ["<|im_start|>", "c3", "k1", "f0", "<|end|>", "<|im_start|>", "c0"]
+    assert full.decode(ids, skip_special_tokens=True) == "c3 k1 f0 c0"
+    # the default corpus is the original one: the cached tiny model (and old results) are unchanged
+    assert te.corpus(8) == [words] and te.corpus(8, full_turns=True) != te.corpus(8)
 
 
 def test_chat_template_renders_only_vocabulary_and_the_key_follows_the_clue():
@@ -188,6 +288,44 @@ def test_rollout_turn_ids_layout_and_rewards_match_the_sampled_keys(tiny_path, b
             assert t.ids == train_min.render_ids(tok, t.messages)[:len(t.ids)]
             checked += 1
     assert checked > 0
+
+
+@pytest.fixture(scope="module")
+def tiny_full_path(base) -> str:
+    return presets.build_tiny_model(base / "tiny-testbed-full", te.corpus(8, True), seed=0,
+                                    tokenizer=te.build_tokenizer(8, full_turns=True))
+
+
+V2 = ["--testbed_decisive", "first", "--testbed_key_anywhere", "true", "--testbed_feedback", "false"]
+
+
+@pytest.mark.parametrize("L", [8, 64])
+def test_v2_rollouts_have_full_turns_and_reward_the_first_key_of_turn_0(tiny_full_path, base, L):
+    cfg, suite, tok, model, _ = make(tiny_full_path, base, "--testbed_turn_len", str(L), *V2,
+                                     "--testbed_full_turns", "true")
+    assert (cfg.max_turns, cfg.max_new_tokens) == (3, L)
+    train_min.seed_everything(0)
+    trajs = train_min.rollout(model, tok, suite, suite.train[:8], cfg, 4)
+    for t in trajs:
+        assert t.done and not t.info.get("truncated") and t.n_turns == 3
+        assert [t.turn_ids.count(k) for k in range(3)] == [L, L, L]           # full turns
+        turn0 = [tok.convert_ids_to_tokens(i) for i, k in zip(t.ids, t.turn_ids) if k == 0]
+        first_key = next((w for w in turn0 if te.is_key(w)), None)
+        assert t.reward == int(first_key == te.key_word(t.env.task.keys[0]))
+        obs = [tok.convert_ids_to_tokens(i) for i, k in zip(t.ids, t.turn_ids) if k < 0][2:]
+        assert "next" in obs and not {"ok", "no"} & set(obs)                   # no verdicts
+        assert not any(w.startswith("c") for w in obs)                          # no later clue
+    assert 0 < sum(t.reward for t in trajs) < len(trajs)                        # both outcomes occur
+
+
+def test_without_full_turns_a_random_policy_ends_turns_early(tiny_path, base):
+    """Why --testbed_full_turns exists: with the default tokenizer the random model samples
+    <|im_end|> and its turns fall short of L (at L = 64: ~10 tokens, docs/testbed.md)."""
+    cfg, suite, tok, model, _ = make(tiny_path, base, "--testbed_turn_len", "32", *V2)
+    train_min.seed_everything(0)
+    trajs = train_min.rollout(model, tok, suite, suite.train[:8], cfg, 4)
+    lengths = [t.turn_ids.count(k) for t in trajs for k in range(t.n_turns)]
+    assert max(lengths) <= 32 and sum(lengths) / len(lengths) < 24
 
 
 # ---------------------------------------------------------------------------------------------
