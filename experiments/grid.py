@@ -33,6 +33,17 @@ sequences (chance ≈ 1/25 per key). After training, each testbed run's critic i
 validation episodes (turn_value_structure, §9). Outputs in --out: table.md, results.json,
 curves.png, final.png and runs/<setting>-<variant>-s<seed>/.
 
+The testbed's second study (docs/testbed.md, "v2"): the regime of the paper's argument (turn 0's
+key alone decides R, anywhere in its turn, full turns of L tokens, no verdicts; K = 3) at L = 8,
+32, 64 with A, B, C, PPO, GRPO and VAPO, plus the §11 counter-regime (streaming, L = 4: mpo, ppo,
+grpo), 10 seeds, 60 updates; the raw per-run records (final success, curve, mechanism gates) go
+to docs/testbed/v2/results.json, the tables (mean ± SE, paired t-tests against A, Holm) to
+table.md beside it:
+
+    python experiments/grid.py testbed --v2                 # 210 runs, ~2 h on 2 cores
+    python experiments/grid.py testbed --v2 --report_only   # the tables again from results.json
+    python experiments/grid.py testbed --v2 --quick         # 2 seeds, L = 8, 10 updates
+
 Every run folder gets a marker, run.json: the full train_min argument list, the step budget, the
 step reached and `finished`, true only when train_min returned normally at its final step. A run
 is skipped when its marker is finished with the same argument list; an interrupted run with the
@@ -194,6 +205,9 @@ def critic_structure(run_dir: Path, n: int = 4) -> dict:
     batch = tm.collate(tm.rollout(model, tok, suite, suite.val, cfg, n), tok.pad_token_id, device)
     tm.score_batch(model, value_head, batch, cfg)
     out = dict(mpo.turn_value_structure(batch["values"], batch["turn_ids"]))
+    out.update(critic_vs_outcome(batch["values"], batch["scores"], batch["turn_ids"],
+                                 options.get("testbed_turn_len", 1)
+                                 if options.get("testbed_streaming") else 1))
     if options.get("testbed_streaming"):                   # logical turns: key + L - 1 fillers
         act = batch["turn_ids"] >= 0
         rows = [(batch["values"][b][act[b]],
@@ -207,6 +221,19 @@ def critic_structure(run_dir: Path, n: int = 4) -> dict:
         grouped = mpo.turn_value_structure(values, ids)
         out.update({f"grouped_{k}": v for k, v in grouped.items()})
     return out
+
+
+def critic_vs_outcome(values, scores, turn_ids, tokens_per_turn: int = 1) -> dict:
+    """The critic against the episode's outcome R (one number per episode, on all its action
+    tokens): explained variance 1 − Var(R − V) / Var(R) over all action tokens (`ev_R`) and over
+    those after the first (logical) turn (`ev_R_later_turns`; streaming: turns of
+    `tokens_per_turn` one-token turns). With --testbed_decisive first, R is settled once turn 0
+    is written, so a critic that reads the decision has ev_R_later_turns near 1."""
+    import mpo
+    R = scores[:, None].expand_as(values)                                      # (B, T)
+    later = turn_ids.masked_fill(turn_ids < tokens_per_turn, -1)               # (B, T)
+    return {name: float(mpo.explained_variance(values, R, ids, validate=False))
+            for name, ids in (("ev_R", turn_ids), ("ev_R_later_turns", later))}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -269,6 +296,20 @@ def setting_name(turn_len: int, streaming: bool, feedback: bool = True) -> str:
     return f"{'stream-' if streaming else ''}L{turn_len}{'' if feedback else '-nofb'}"
 
 
+def testbed_job(root: Path, name: str, variant: str, seed: int, steps: int, turn_len: int,
+                flags: list[str], meta: dict, cache: Path) -> dict:
+    """One `--preset testbed` run under root/runs/<name>-<variant>-s<seed>; `flags` follow the
+    common arguments (the setting's testbed flags, then what came after `--`)."""
+    out = root / "runs" / f"{name}-{variant}-s{seed}"
+    argv = ["--preset", "testbed", "--variant", variant, "--seed", str(seed),
+            "--steps", str(steps), "--testbed_turn_len", str(turn_len), "--out_dir", str(out),
+            *flags]
+    meta = {"setting": name, "variant": variant, "seed": seed, "turn_len": turn_len, **meta}
+    env = {"HF_HUB_OFFLINE": "1", "MPO_CACHE": str(cache)}          # no downloads
+    return {"out": str(out), "argv": argv, "meta": meta, "env": env, "threads": 1,
+            "measure_critic": variant != "grpo"}
+
+
 def testbed_jobs(args, extra: list[str]) -> list[dict]:
     """Variants × seeds × settings of `--preset testbed`, longest runs first (streaming, then long
     turns), so two workers finish close together."""
@@ -278,20 +319,14 @@ def testbed_jobs(args, extra: list[str]) -> list[dict]:
         settings.append((args.stream_turn_len, True, True, args.stream_variants))
     jobs = []
     for L, streaming, feedback, variants in settings:
+        flags = [*(["--testbed_streaming", "true"] if streaming else []),
+                 *([] if feedback else ["--testbed_feedback", "false"]), *extra]
         for variant in variants:
             for seed in args.seeds:
-                name = setting_name(L, streaming, feedback)
-                out = args.out / "runs" / f"{name}-{variant}-s{seed}"
-                argv = ["--preset", "testbed", "--variant", variant, "--seed", str(seed),
-                        "--steps", str(args.steps), "--testbed_turn_len", str(L),
-                        "--out_dir", str(out),
-                        *(["--testbed_streaming", "true"] if streaming else []),
-                        *([] if feedback else ["--testbed_feedback", "false"]), *extra]
-                meta = {"setting": name, "variant": variant, "seed": seed, "turn_len": L,
-                        "streaming": streaming, "feedback": feedback}
-                env = {"HF_HUB_OFFLINE": "1", "MPO_CACHE": str(args.cache)}   # no downloads
-                jobs.append({"out": str(out), "argv": argv, "meta": meta, "env": env,
-                             "threads": 1, "measure_critic": variant != "grpo"})
+                jobs.append(testbed_job(args.out, setting_name(L, streaming, feedback), variant,
+                                        seed, args.steps, L, flags,
+                                        {"streaming": streaming, "feedback": feedback},
+                                        args.cache))
     return sorted(jobs, key=lambda j: (not j["meta"]["streaming"], -j["meta"]["turn_len"]))
 
 
@@ -618,6 +653,325 @@ def testbed_report(out: Path, threshold: float, header: str = "") -> str:
     return md
 
 
+# ---------------------------------------------------------------------------------------------
+# The testbed, v2 (docs/testbed.md): the regime of the paper's argument and the §11 counter-regime,
+# 10 seeds, paired t-tests against A with a Holm correction, mechanism gates per run
+# ---------------------------------------------------------------------------------------------
+
+V2_VARIANTS = ("mpo", "mpo_token_is", "mpo_beta0", "ppo", "grpo", "vapo")
+V2_TURN_LENS = (8, 32, 64)
+V2_SEEDS = tuple(range(10))
+V2_STEPS = 60
+# The v2 regime: turn 0's key alone decides R (paid after turn K − 1), anywhere in its turn, every
+# turn L tokens long, no verdicts in the observations; K = 3, so R's credit crosses 2 turns.
+V2_FLAGS = ["--testbed_turns", "3", "--testbed_decisive", "first", "--testbed_key_anywhere",
+            "true", "--testbed_full_turns", "true", "--testbed_feedback", "false"]
+STREAM_TURN_LEN = 4          # the §11 counter-regime: the streaming setting of the first study
+# VAPO's critic-only warm-up is 50 updates in VAPO (train_min's default), written for runs of
+# thousands of updates: at 60 it would leave VAPO 10 policy updates against the others' 60. The
+# grid gives it 1/6 of the budget (10 of 60; a choice, not tuned), so it has 50 policy updates.
+VAPO_VALUE_SHARE = 6
+V2_RESULTS = ROOT / "docs" / "testbed" / "v2" / "results.json"
+ALPHA = 0.05                 # the family-wise error rate of the Holm correction
+
+
+def v2_jobs(args, extra: list[str]) -> list[dict]:
+    """The v2 grid: V2_VARIANTS × seeds × L ∈ turn_lens in the v2 regime, longest L first, then
+    the counter-regime (streaming L = 4, feedback on, every key counts: mpo, ppo, grpo × seeds)."""
+    jobs = []
+    for L in sorted(args.turn_lens, reverse=True):
+        for variant in args.variants:
+            vapo = (["--vapo_value_steps", str(args.steps // VAPO_VALUE_SHARE)]
+                    if variant == "vapo" else [])
+            for seed in args.seeds:
+                jobs.append(testbed_job(args.out, f"v2-L{L}", variant, seed, args.steps, L,
+                                        [*V2_FLAGS, *vapo, *extra],
+                                        {"regime": "v2", "streaming": False, "feedback": False},
+                                        args.cache))
+    if args.stream_turn_len:
+        for variant in args.stream_variants:
+            for seed in args.seeds:
+                jobs.append(testbed_job(args.out, setting_name(args.stream_turn_len, True),
+                                        variant, seed, args.steps, args.stream_turn_len,
+                                        ["--testbed_streaming", "true", *extra],
+                                        {"regime": "stream", "streaming": True, "feedback": True},
+                                        args.cache))
+    return jobs
+
+
+def rounded(x, digits: int = 4):
+    """Floats rounded for the committed raw file (None and NaN become None)."""
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return None
+    return round(float(x), digits)
+
+
+def mean_of(rows: list[dict], key: str, last_n: int | None = None) -> float | None:
+    """The mean of `key` over the rows that have it (the last `last_n` of them if given)."""
+    vals = [r[key] for r in rows if r.get(key) is not None and not math.isnan(r[key])]
+    vals = vals[-last_n:] if last_n else vals
+    return statistics.mean(vals) if vals else None
+
+
+def v2_record(marker: dict, rows: list[dict]) -> dict:
+    """One finished run's raw record: the primary metric (final = validation reward under greedy
+    decoding at the run's last evaluation), its curve, and the mechanism gates of its metrics."""
+    curve = [(r["step"], r["val/reward"]) for r in rows if "val/reward" in r]
+    ev = "critic/explained_variance"
+    structure = marker.get("structure") or {}
+    return {
+        "setting": marker["setting"], "regime": marker["regime"], "variant": marker["variant"],
+        "seed": marker["seed"], "turn_len": marker["turn_len"], "steps": marker["steps"],
+        "final": rounded(curve[-1][1]), "final_step": curve[-1][0],
+        "auc": rounded(statistics.mean(v for _, v in curve)),
+        "curve": [[s, rounded(v)] for s, v in curve],
+        "train_reward_first": rounded(rows[0].get("train/reward")),
+        "ev_last10": rounded(mean_of(rows, ev, 10)),
+        "ev_curve": [rounded(r.get(ev)) for r in rows] if any(ev in r for r in rows) else None,
+        "turn_clip_frac": rounded(mean_of(rows, "loss/turn_clip_frac")),
+        "turn_log_ratio_std": rounded(mean_of(rows, "loss/turn_log_ratio_std")),
+        "within_turn_share": rounded(mean_of(rows, "adv/within_turn_share")),
+        "tokens_per_turn": rounded(mean_of(rows, "train/tokens_per_turn"), 2),
+        "critic": {k: rounded(structure[k]) for k in
+                   ("ev_R", "ev_R_later_turns", "between_share_token_median",
+                    "boundary_share_sq_changes", "grouped_between_share_token_median",
+                    "grouped_boundary_share_sq_changes") if k in structure},
+        "wall_s": rounded(marker.get("wall_s"), 1),
+    }
+
+
+def collect_v2(out: Path) -> list[dict]:
+    """The raw records of the finished v2 runs under out/runs (unfinished runs are left out)."""
+    import run_utils
+    records = []
+    for f in sorted((out / "runs").glob(f"*/{MARKER}")):
+        marker = json.loads(f.read_text())
+        if marker.get("finished") and marker.get("regime"):
+            records.append(v2_record(marker, run_utils.read_metrics(f.parent / "metrics.jsonl")))
+    return records
+
+
+def write_results(path: Path, info: dict, records: list[dict]) -> Path:
+    """The committed raw file: {"info": ..., "runs": [one record per line]}, small and diffable."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = ",\n".join("  " + json.dumps(r, ensure_ascii=False) for r in records)
+    path.write_text('{"info": ' + json.dumps(info, ensure_ascii=False) + ',\n "runs": [\n'
+                    + lines + "\n]}\n")
+    return path
+
+
+# --- statistics: paired t-tests against A, Holm's step-down correction -------------------------
+
+def paired_t(x: list[float], ref: list[float]) -> dict:
+    """The paired t-test of x − ref (same seeds, in order): n, mean, SE, t and the two-sided p
+    (scipy.stats.ttest_rel). Identical differences have SE 0: p = 1 if they are all 0, else 0.
+
+    Example: paired_t([0.5, 0.7, 0.6], [0.4, 0.4, 0.4]) -> n 3, mean 0.2, se 0.0577, p 0.0377.
+    """
+    from scipy import stats
+    d = [a - b for a, b in zip(x, ref)]
+    n, mean = len(d), statistics.mean(d)
+    se = statistics.stdev(d) / math.sqrt(n) if n > 1 else math.nan
+    if n < 2:
+        t, p = math.nan, math.nan
+    elif se == 0:
+        t, p = (0.0, 1.0) if mean == 0 else (math.copysign(math.inf, mean), 0.0)
+    else:
+        res = stats.ttest_rel(x, ref)
+        t, p = float(res.statistic), float(res.pvalue)
+    return {"n": n, "mean": mean, "se": se, "t": t, "p": p}
+
+
+def holm(pvalues: list[float]) -> list[float]:
+    """Holm's step-down adjusted p-values, in the input order: sorted ascending, the i-th smallest
+    (i = 1..m) becomes max over j <= i of min(1, (m − j + 1) p_(j)). A comparison survives at level
+    α when its adjusted p is below α; this controls the family-wise error rate at α.
+
+    Example: holm([0.01, 0.04, 0.03]) -> [0.03, 0.06, 0.06].
+    """
+    m = len(pvalues)
+    order = sorted(range(m), key=lambda i: pvalues[i])
+    adjusted, running = [0.0] * m, 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (m - rank) * pvalues[i]))
+        adjusted[i] = running
+    return adjusted
+
+
+def order_key(r: dict) -> tuple:
+    """Records in reading order: v2 before streaming, L ascending, variants as in LABELS."""
+    variants = list(LABELS)
+    return (r["regime"] != "v2", r["turn_len"],
+            variants.index(r["variant"]) if r["variant"] in variants else 99, r["seed"])
+
+
+def cells_of(records: list[dict]) -> dict[tuple[str, str], list[dict]]:
+    cells: dict[tuple[str, str], list[dict]] = {}
+    for r in sorted(records, key=order_key):
+        cells.setdefault((r["setting"], r["variant"]), []).append(r)
+    return cells
+
+
+def comparisons(records: list[dict], ref: str = "mpo", metric: str = "final") -> list[dict]:
+    """Every (setting, variant ≠ ref) minus ref on `metric`, paired by seed, with the paired t-test
+    and the Holm-adjusted p over exactly these comparisons (the page's family)."""
+    by = {(r["setting"], r["variant"], r["seed"]): r[metric] for r in records}
+    out = []
+    for (setting, variant), rs in cells_of(records).items():
+        seeds = [r["seed"] for r in rs if (setting, ref, r["seed"]) in by]
+        if variant == ref or len(seeds) < 2:
+            continue
+        x = [by[(setting, variant, s)] for s in seeds]
+        a = [by[(setting, ref, s)] for s in seeds]
+        out.append({"setting": setting, "variant": variant, **paired_t(x, a)})
+    for c, p in zip(out, holm([c["p"] for c in out])):
+        c["p_holm"] = p
+    return out
+
+
+def mean_se(xs: list, scale: float = 100.0, digits: int = 1) -> str:
+    """'mean ± standard error' of the values that are not None, scaled (percent by default).
+
+    Example: mean_se([0.5, 0.7]) -> "60.0 ± 10.0"; mean_se([None]) -> "–".
+    """
+    xs = [x for x in xs if x is not None]
+    if not xs:
+        return "–"
+    if len(xs) == 1:
+        return f"{scale * xs[0]:.{digits}f}"
+    se = statistics.stdev(xs) / math.sqrt(len(xs))
+    return f"{scale * statistics.mean(xs):.{digits}f} ± {scale * se:.{digits}f}"
+
+
+def fmt_p(p: float) -> str:
+    return "–" if p is None or math.isnan(p) else (f"{p:.2g}" if p < 0.001 else f"{p:.3f}")
+
+
+def v2_cell_table(records: list[dict]) -> str:
+    head = ["setting", "variant", "seeds", "final success", "mean success (AUC)",
+            "first-update train reward", "min / run"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for (setting, variant), rs in cells_of(records).items():
+        wall = [r["wall_s"] for r in rs if r.get("wall_s")]
+        lines.append("| " + " | ".join([
+            setting, LABELS.get(variant, variant), str(len(rs)),
+            mean_se([r["final"] for r in rs]), mean_se([r["auc"] for r in rs]),
+            mean_se([r["train_reward_first"] for r in rs]),
+            f"{statistics.mean(wall) / 60:.1f}" if wall else "–"]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def v2_paired_table(comps: list[dict], ref: str = "mpo") -> str:
+    lines = [f"| setting | variant − {LABELS[ref]} | seeds | Δ final success (points) | t | p | "
+             f"Holm p | survives (Holm p < {ALPHA:g}) |", "|---|---|---|---|---|---|---|---|"]
+    for c in comps:
+        t = "–" if math.isnan(c["t"]) else f"{c['t']:+.2f}"
+        lines.append(f"| {c['setting']} | {LABELS.get(c['variant'], c['variant'])} | {c['n']} | "
+                     f"{100 * c['mean']:+.1f} ± {100 * c['se']:.1f} | {t} | {fmt_p(c['p'])} | "
+                     f"{fmt_p(c['p_holm'])} | {'yes' if c['p_holm'] < ALPHA else 'no'} |")
+    return "\n".join(lines) + "\n"
+
+
+def v2_gates_table(records: list[dict]) -> str:
+    head = ["setting", "variant", "critic EV, last 10 updates", "critic EV vs R, later turns",
+            "turn clip frac", "turn log-ratio std", "within-turn share of adv. variance",
+            "tokens / turn"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for (setting, variant), rs in cells_of(records).items():
+        lines.append("| " + " | ".join([
+            setting, LABELS.get(variant, variant),
+            mean_se([r["ev_last10"] for r in rs], 1.0, 2),
+            mean_se([r["critic"].get("ev_R_later_turns") for r in rs], 1.0, 2),
+            mean_se([r["turn_clip_frac"] for r in rs], 1.0, 3),
+            mean_se([r["turn_log_ratio_std"] for r in rs], 1.0, 3),
+            mean_se([r["within_turn_share"] for r in rs], 1.0, 3),
+            mean_se([r["tokens_per_turn"] for r in rs], 1.0, 1)]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def counter_verdict(comps: list[dict], threshold: float = 3.0) -> str:
+    """§11's refutation criterion on the streaming setting: a token-level method ahead of full MPO
+    by more than `threshold` points of final success (and, our addition, surviving Holm)."""
+    lines = []
+    for c in comps:
+        if not c["setting"].startswith("stream") or c["variant"] not in ("ppo", "mpo_token_is",
+                                                                          "vapo"):
+            continue
+        ahead, holds = 100 * c["mean"] > threshold, c["p_holm"] < ALPHA
+        lines.append(f"- {c['setting']}: {LABELS[c['variant']]} − A = {100 * c['mean']:+.1f} ± "
+                     f"{100 * c['se']:.1f} points, Holm p {fmt_p(c['p_holm'])}: the criterion "
+                     f"(> +{threshold:g} points) is {'met' if ahead else 'not met'} on the mean"
+                     + (f", and the difference {'survives' if holds else 'does not survive'} "
+                        "the correction" if ahead else "") + ".")
+    return "\n".join(lines) + ("\n" if lines else "")
+
+
+def v2_report(results: Path, out: Path | None = None) -> str:
+    """The v2 tables from a raw results file: mean ± SE per cell, paired differences from A with
+    the paired t-test's p and the Holm-adjusted p, §11's criterion, and the gates; writes
+    table.md (and curves.png) into `out` (default: next to the results file)."""
+    data = json.loads(Path(results).read_text())
+    records, info = data["runs"], data.get("info", {})
+    if not records:
+        raise SystemExit(f"{results} holds no runs")
+    comps = comparisons(records)
+    verdict = counter_verdict(comps)
+    md = ""
+    if info.get("command"):
+        md += (f"Command: `{info['command']}`; {info['runs']} runs "
+               f"({info.get('run_min_total', 0):.0f} run-minutes; this invocation "
+               f"{info['wall_min']:.1f} min) on {info['machine']}; commit {info['commit']}.\n\n")
+    md += ("Final success = greedy validation reward at each run's last evaluation (percent); "
+           "mean ± standard error over seeds.\n\n" + v2_cell_table(records))
+    md += ("\nPaired by seed (same initial model and tasks), variant minus A, percentage points "
+           "(mean ± SE); two-sided paired t-test (scipy.stats.ttest_rel); Holm over the "
+           f"{len(comps)} comparisons of this table.\n\n" + v2_paired_table(comps))
+    if verdict:
+        md += "\n§11 criterion (counter-regime):\n\n" + verdict
+    md += ("\nMechanism gates, mean ± SE over seeds. From each run's metrics.jsonl: critic EV "
+           "(against the variant's own critic target; the last 10 updates), turn clip fraction, "
+           "turn log-ratio std, within-turn share of advantage variance, tokens per turn (means "
+           "over the run). Critic EV vs R: the trained critic on 128 fresh episodes, action "
+           "tokens after the first (logical) turn.\n\n" + v2_gates_table(records))
+    out = Path(out) if out else Path(results).parent
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "table.md").write_text(md)
+    v2_curves(records, out / "curves.png")
+    print(md)
+    return md
+
+
+def v2_curves(records: list[dict], path: Path) -> Path:
+    """Validation success against updates, one panel per setting, mean ± std over seeds."""
+    panels: dict[str, dict[str, list[dict]]] = {}
+    for (setting, variant), rs in cells_of(records).items():
+        panels.setdefault(setting, {})[LABELS.get(variant, variant)] = [
+            {s: (s, v) for s, v in r["curve"]} for r in rs]
+    colors = {LABELS[v]: c for v, c in COLORS.items()}
+    return plot_curves(panels, path, dict.fromkeys(panels, "updates"),
+                       "validation success (greedy)", colors=colors)
+
+
+def testbed_v2(args, argv: list[str], extra: list[str]) -> str:
+    """The v2 grid (unless --report_only), its raw records into --results, then the report; with
+    --report_only only the report, from the --results file."""
+    if not args.report_only:
+        args.cache = (args.cache or args.out / "cache").resolve()
+        args.out = args.out.resolve()
+        jobs = v2_jobs(args, extra)
+        print(f"output in {args.out}; raw results to {args.results}", flush=True)
+        t0 = time.perf_counter()
+        run_jobs(jobs, args.workers)
+        records = collect_v2(args.out)
+        write_results(args.results, {
+            "command": "python experiments/grid.py " + " ".join(argv), "runs": len(records),
+            "wall_min": (time.perf_counter() - t0) / 60, "commit": git_commit(),
+            "run_min_total": sum(r["wall_s"] or 0 for r in records) / 60,
+            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {args.workers} workers",
+            "python": platform.python_version()}, records)
+    return v2_report(args.results, args.report_dir)
+
+
 def git_commit() -> str:
     try:
         git = ["git", "-C", str(ROOT)]
@@ -630,13 +984,31 @@ def git_commit() -> str:
         return "unknown"
 
 
+def testbed_defaults(args) -> None:
+    """Fill in the testbed flags left unset: the first study's defaults, or with --v2 the v2 grid's;
+    --quick shrinks either."""
+    v2 = args.v2
+    defaults = {"variants": list(V2_VARIANTS if v2 else TESTBED_VARIANTS),
+                "seeds": list(V2_SEEDS if v2 else range(5)),
+                "turn_lens": list(V2_TURN_LENS if v2 else (2, 4, 8)),
+                "steps": V2_STEPS if v2 else 60,
+                "out": Path("runs/testbed-v2" if v2 else "runs/testbed-study")}
+    if args.quick:
+        defaults.update(seeds=[0, 1], turn_lens=[8 if v2 else 4], steps=10 if v2 else 20,
+                        out=Path(f"{defaults['out']}-quick"))
+        args.nofeedback_turn_lens, args.stream_variants = [], ["mpo", "ppo"]
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if v2 and args.results is None:
+        args.results = args.out / "results.json" if args.quick else V2_RESULTS
+
+
 def testbed(args, argv: list[str], extra: list[str]) -> str:
     """The testbed study: run the grid (unless --report_only), then its report."""
-    if args.quick:
-        args.seeds, args.turn_lens, args.nofeedback_turn_lens, args.steps = [0, 1], [4], [], 20
-        args.stream_variants = ["mpo", "ppo"]
-        if args.out == Path("runs/testbed-study"):
-            args.out = Path("runs/testbed-study-quick")
+    testbed_defaults(args)
+    if args.v2:
+        return testbed_v2(args, argv, extra)
     args.cache = (args.cache or args.out / "cache").resolve()
     args.out = args.out.resolve()
     info_file = args.out / "grid_info.json"
@@ -656,8 +1028,8 @@ def testbed(args, argv: list[str], extra: list[str]) -> str:
     return testbed_report(args.out, args.threshold, header)
 
 
-def main(argv=None) -> str | None:
-    """The command line; returns the Markdown table it printed (None for a grid without --compare)."""
+def build_parser() -> argparse.ArgumentParser:
+    """The command line's parser (main; tests build job lists from it)."""
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -670,33 +1042,51 @@ def main(argv=None) -> str | None:
     c.add_argument("runs", type=Path, nargs="+")
     c.add_argument("--out", type=Path, default=Path("reports/compare"))
     t = sub.add_parser("testbed", help="the testbed study on a CPU (docs/testbed.md)")
-    t.add_argument("--variants", nargs="+", default=list(TESTBED_VARIANTS),
-                   choices=TESTBED_VARIANTS)
-    t.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
-    t.add_argument("--turn_lens", type=int, nargs="*", default=[2, 4, 8],
-                   help="L of the non-streaming settings")
+    t.add_argument("--v2", action="store_true",
+                   help="the v2 grid: the paper's regime (decisive first, key anywhere, full "
+                        "turns, no feedback) at L = 8, 32, 64 and the streaming counter-regime, "
+                        "10 seeds, raw results to --results")
+    t.add_argument("--variants", nargs="+", default=None, choices=V2_VARIANTS,
+                   help=f"default {' '.join(TESTBED_VARIANTS)}; --v2: {' '.join(V2_VARIANTS)}")
+    t.add_argument("--seeds", type=int, nargs="+", default=None,
+                   help="default 0-4; --v2: 0-9")
+    t.add_argument("--turn_lens", type=int, nargs="*", default=None,
+                   help="L of the non-streaming settings (default 2 4 8; --v2: 8 32 64)")
     t.add_argument("--nofeedback_turn_lens", type=int, nargs="*", default=[4],
                    help="L of settings run with --testbed_feedback false (none: no such setting)")
-    t.add_argument("--stream_turn_len", type=int, default=4,
+    t.add_argument("--stream_turn_len", type=int, default=STREAM_TURN_LEN,
                    help="L of the streaming setting (0: none)")
     t.add_argument("--stream_variants", nargs="+", default=list(STREAM_VARIANTS),
-                   choices=TESTBED_VARIANTS)
-    t.add_argument("--steps", type=int, default=60, help="updates per run (the fixed budget)")
+                   choices=V2_VARIANTS)
+    t.add_argument("--steps", type=int, default=None,
+                   help=f"updates per run, the fixed budget (default 60; --v2: {V2_STEPS})")
     t.add_argument("--threshold", type=float, default=0.8,
                    help="success level for 'updates to threshold'")
     t.add_argument("--workers", type=int, default=2, choices=(1, 2),
                    help="worker processes (2 CPU cores: at most 2; 1: in this process)")
-    t.add_argument("--out", type=Path, default=Path("runs/testbed-study"),
-                   help="output folder (runs/ is git-ignored)")
+    t.add_argument("--out", type=Path, default=None,
+                   help="output folder (runs/ is git-ignored; default runs/testbed-study, "
+                        "--v2: runs/testbed-v2)")
     t.add_argument("--cache", type=Path, default=None,
                    help="tiny-model cache (default <out>/cache: built from scratch)")
     t.add_argument("--quick", action="store_true",
-                   help="2 seeds, L = 4 (+ streaming mpo, ppo), 20 updates")
+                   help="2 seeds, L = 4 (+ streaming mpo, ppo), 20 updates; --v2: 2 seeds, L = 8 "
+                        "(+ streaming mpo, ppo), 10 updates, results in the output folder")
     t.add_argument("--report_only", action="store_true",
-                   help="only rebuild table and plots from finished runs")
+                   help="only rebuild table and plots from finished runs (--v2: from --results)")
+    t.add_argument("--results", type=Path, default=None,
+                   help=f"--v2: the raw per-run results file (default "
+                        f"{V2_RESULTS.relative_to(ROOT)}; --quick: <out>/results.json)")
+    t.add_argument("--report_dir", type=Path, default=None,
+                   help="--v2: where table.md and curves.png go (default: the results' folder)")
+    return ap
+
+
+def main(argv=None) -> str | None:
+    """The command line; returns the Markdown table it printed (None for a grid without --compare)."""
     argv = sys.argv[1:] if argv is None else argv
     own, extra = split_argv(argv)
-    args = ap.parse_args(own)
+    args = build_parser().parse_args(own)
     if args.cmd == "run":
         root = args.root or Path("runs") / f"grid-{args.grid}"
         jobs = paper_jobs(args.grid, args.seeds, root, extra)

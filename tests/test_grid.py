@@ -229,3 +229,165 @@ def test_compare_table_reports_start_gain_and_paired_differences_by_seed():
     paired = next(line for line in md.split("Paired by seed")[1].splitlines()
                   if line.startswith("| C: MPO β=0"))
     assert "| 2 | -10.0, +10.0 | +0.0 ± 10.0 |" in paired
+
+
+# ---------------------------------------------------------------------------------------------
+# The testbed, v2: the job list, the statistics, the report from a raw results file
+# ---------------------------------------------------------------------------------------------
+
+def v2_args(*argv: str):
+    args = grid.build_parser().parse_args(["testbed", "--v2", *argv])
+    grid.testbed_defaults(args)
+    args.cache = Path("/tmp/unused-cache")
+    return args
+
+
+def test_v2_job_list_is_six_variants_ten_seeds_three_lengths_plus_the_counter_regime():
+    args = v2_args()
+    jobs = grid.v2_jobs(args, ["--eval_every", "5"])
+    assert len(jobs) == 6 * 10 * 3 + 3 * 10 == 210
+    assert len({j["out"] for j in jobs}) == 210                           # one folder per run
+    names = [Path(j["out"]).name for j in jobs]
+    assert names[0] == "v2-L64-mpo-s0" and names[-1] == "stream-L4-grpo-s9"   # longest first
+    assert args.results == grid.V2_RESULTS and args.steps == 60
+    cells = {}
+    for j in jobs:
+        m = j["meta"]
+        cells.setdefault((m["setting"], m["variant"]), []).append(m["seed"])
+        argv = j["argv"]
+        assert argv[:8] == ["--preset", "testbed", "--variant", m["variant"], "--seed",
+                            str(m["seed"]), "--steps", "60"]
+        assert argv[argv.index("--testbed_turn_len") + 1] == str(m["turn_len"])
+        assert argv[-2:] == ["--eval_every", "5"]                        # after --: last
+        assert j["threads"] == 1 and j["measure_critic"] == (m["variant"] != "grpo")
+        if m["regime"] == "v2":
+            assert argv[argv.index("--out_dir") + 2:][:10] == grid.V2_FLAGS
+            assert ("--vapo_value_steps" in argv) == (m["variant"] == "vapo")
+        else:
+            assert "--testbed_streaming" in argv and "--testbed_decisive" not in argv
+    assert all(seeds == list(range(10)) for seeds in cells.values())
+    assert {s for s, _ in cells} == {"v2-L8", "v2-L32", "v2-L64", "stream-L4"}
+    assert {v for s, v in cells if s == "stream-L4"} == {"mpo", "ppo", "grpo"}
+    assert {v for s, v in cells if s == "v2-L8"} == set(grid.V2_VARIANTS)
+    # the argument lists parse as train_min runs of the v2 regime (VAPO: 10 critic-only updates)
+    vapo = next(j for j in jobs if j["meta"]["variant"] == "vapo")
+    cfg = train_min.parse_config(vapo["argv"])
+    assert cfg.vapo_value_steps == 10 and cfg.preset_options["testbed_decisive"] == "first"
+    assert cfg.preset_options["testbed_key_anywhere"] and cfg.preset_options["testbed_full_turns"]
+    assert cfg.preset_options["testbed_feedback"] is False
+    stream = train_min.parse_config(jobs[-1]["argv"])
+    assert stream.preset_options["testbed_streaming"] and stream.preset_options["testbed_turn_len"] == 4
+    quick = v2_args("--quick")
+    assert len(grid.v2_jobs(quick, [])) == 6 * 2 + 2 * 2 and quick.results.parent == quick.out
+
+
+def test_holm_matches_the_step_down_rule_by_hand():
+    # sorted 0.01, 0.03, 0.04, 0.5 -> 4 * 0.01, 3 * 0.03, max(3 * 0.03, 2 * 0.04), max(.., 1 * 0.5)
+    assert grid.holm([0.01, 0.04, 0.03, 0.5]) == pytest.approx([0.04, 0.09, 0.09, 0.5])
+    assert grid.holm([0.5, 0.9]) == pytest.approx([1.0, 1.0])              # capped at 1
+    assert grid.holm([0.02]) == [0.02]
+
+
+def t_p_df2(t: float) -> float:
+    """The two-sided p of a t statistic with 2 degrees of freedom, in closed form:
+    P(|T| > t) = 1 − t / sqrt(t² + 2)."""
+    return 1 - abs(t) / (t * t + 2) ** 0.5
+
+
+def hand_records() -> list[dict]:
+    """Three seeds, two settings; A's finals and each variant's chosen differences from them."""
+    a = {"v2-L8": [0.5, 0.5, 0.5], "stream-L4": [0.2, 0.4, 0.6]}
+    delta = {("v2-L8", "ppo"): [0.1, 0.2, 0.3],      # t = 0.2 / (0.1 / √3) = 2√3
+             ("v2-L8", "grpo"): [0.0, 0.0, 0.0],     # identical: p = 1
+             ("stream-L4", "ppo"): [0.1, 0.1, 0.4]}  # t = 0.2 / 0.1 = 2
+    records = []
+    for (setting, variant), ds in [((s, "mpo"), [0.0] * 3) for s in a] + list(delta.items()):
+        for seed, d in enumerate(ds):
+            final = a[setting][seed] + d
+            records.append({
+                "setting": setting, "regime": "stream" if setting.startswith("stream") else "v2",
+                "variant": variant, "seed": seed, "turn_len": 4 if setting.startswith("stream") else 8,
+                "steps": 60, "final": final, "final_step": 60, "auc": final / 2,
+                "curve": [[30, final / 2], [60, final]], "train_reward_first": 0.125,
+                "ev_last10": None if variant == "grpo" else 0.1 * (seed + 1),
+                "ev_curve": None, "turn_clip_frac": 0.2, "turn_log_ratio_std": 0.1 + 0.1 * seed,
+                "within_turn_share": 0.0 if variant == "grpo" else 0.01, "tokens_per_turn": 8.0,
+                "critic": {} if variant == "grpo" else {"ev_R": 0.1, "ev_R_later_turns": 0.3},
+                "wall_s": 60.0})
+    return records
+
+
+def test_paired_comparisons_give_the_t_test_p_and_holm_over_the_page():
+    comps = {(c["setting"], c["variant"]): c for c in grid.comparisons(hand_records())}
+    assert set(comps) == {("v2-L8", "ppo"), ("v2-L8", "grpo"), ("stream-L4", "ppo")}
+    ppo8, grpo8, ppo_s = comps[("v2-L8", "ppo")], comps[("v2-L8", "grpo")], comps[("stream-L4", "ppo")]
+    assert (ppo8["n"], ppo8["mean"], ppo8["se"]) == (3, pytest.approx(0.2), pytest.approx(0.1 / 3 ** 0.5))
+    assert ppo8["t"] == pytest.approx(2 * 3 ** 0.5) and ppo8["p"] == pytest.approx(t_p_df2(2 * 3 ** 0.5))
+    assert ppo_s["t"] == pytest.approx(2.0) and ppo_s["p"] == pytest.approx(t_p_df2(2.0))
+    assert grpo8["p"] == 1.0 and grpo8["mean"] == 0.0
+    # Holm over the 3: p = 0.0742, 0.1835, 1 -> 3 * 0.0742, 2 * 0.1835, 1
+    p1, p2 = t_p_df2(2 * 3 ** 0.5), t_p_df2(2.0)
+    assert ppo8["p_holm"] == pytest.approx(3 * p1)
+    assert ppo_s["p_holm"] == pytest.approx(max(3 * p1, 2 * p2))
+    assert grpo8["p_holm"] == 1.0
+
+
+def test_v2_report_from_a_raw_results_file_recomputes_the_tables(tmp_path):
+    results = grid.write_results(tmp_path / "v2" / "results.json",
+                                 {"command": "python experiments/grid.py testbed --v2",
+                                  "runs": 15, "wall_min": 7.5, "run_min_total": 15.0,
+                                  "commit": "abc1234", "machine": "x86_64, 2 CPUs, 2 workers"},
+                                 hand_records())
+    data = json.loads(results.read_text())                            # the committed format
+    assert set(data) == {"info", "runs"} and len(data["runs"]) == 15
+    assert len(results.read_text().splitlines()) == 15 + 3               # one run per line
+    md = grid.main(["testbed", "--v2", "--report_only", "--results", str(results)])
+    assert (results.parent / "table.md").read_text() == md
+    assert (results.parent / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "commit abc1234" in md and "Holm over the 3 comparisons" in md
+    row = next(line for line in md.splitlines() if line.startswith("| v2-L8 | PPO | 3 |"))
+    assert "| 70.0 ± 5.8 |" in row                                     # mean ± SE of 0.6, 0.7, 0.8
+    ppo8 = next(line for line in md.splitlines() if line.startswith("| v2-L8 | PPO | 3 | +"))
+    p1 = t_p_df2(2 * 3 ** 0.5)
+    assert f"| +20.0 ± 5.8 | +3.46 | {p1:.3f} | {3 * p1:.3f} | no |" in ppo8
+    assert "stream-L4: PPO − A = +20.0 ± 10.0 points" in md
+    assert "is met on the mean, and the difference does not survive the correction" in md
+    gates = [line for line in md.splitlines() if line.startswith("| v2-L8 | A: MPO |")][-1]
+    assert "| 0.20 ± 0.06 | 0.30 ± 0.00 | 0.200 ± 0.000 | 0.200 ± 0.058 |" in gates
+
+
+def test_v2_record_reads_the_gates_from_metrics_rows():
+    rows = [{"step": s, "train/reward": 0.1 * s, "critic/explained_variance": s / 20,
+             "loss/turn_clip_frac": 0.1, "loss/turn_log_ratio_std": 0.2 * (s % 2),
+             "adv/within_turn_share": 0.05, "train/tokens_per_turn": 8.0,
+             **({"val/reward": s / 20} if s % 5 == 0 else {})} for s in range(1, 21)]
+    marker = {"setting": "v2-L8", "regime": "v2", "variant": "mpo", "seed": 3, "turn_len": 8,
+              "steps": 20, "wall_s": 12.34, "structure": {"ev_R": 0.5, "ev_R_later_turns": 0.7,
+                                                          "between_share_token_median": 0.4}}
+    r = grid.v2_record(marker, rows)
+    assert r["final"] == 1.0 and r["final_step"] == 20 and r["curve"][0] == [5, 0.25]
+    assert r["auc"] == pytest.approx((0.25 + 0.5 + 0.75 + 1.0) / 4)
+    assert r["ev_last10"] == pytest.approx(sum(range(11, 21)) / 10 / 20)     # the last 10 updates
+    assert len(r["ev_curve"]) == 20 and r["train_reward_first"] == pytest.approx(0.1)
+    assert r["turn_log_ratio_std"] == pytest.approx(0.1) and r["turn_clip_frac"] == 0.1
+    assert r["critic"] == {"ev_R": 0.5, "ev_R_later_turns": 0.7, "between_share_token_median": 0.4}
+    assert r["wall_s"] == 12.3
+
+
+def test_v2_grid_end_to_end_collects_markers_into_the_results_file(tmp_path, one_thread):
+    out = tmp_path / "v2"
+    argv = ["testbed", "--v2", "--variants", "mpo", "--seeds", "0", "--turn_lens", "4",
+            "--stream_variants", "ppo", "--steps", "2", "--workers", "1", "--out", str(out),
+            "--results", str(out / "results.json"), "--", "--eval_every", "1"]
+    md = grid.main(argv)
+    records = json.loads((out / "results.json").read_text())["runs"]
+    assert sorted((r["setting"], r["variant"]) for r in records) == [("stream-L4", "ppo"),
+                                                                      ("v2-L4", "mpo")]
+    v2 = next(r for r in records if r["regime"] == "v2")
+    assert v2["tokens_per_turn"] == 4.0 and len(v2["curve"]) == 2 and len(v2["ev_curve"]) == 2
+    assert -1 <= v2["critic"]["ev_R_later_turns"] <= 1
+    assert "| v2-L4 | A: MPO | 1 |" in md
+    log = (out / "runs" / "v2-L4-mpo-s0" / "log.txt").read_text()
+    again = grid.main(argv)                         # finished runs are skipped, same tables
+    assert again.split("\n", 1)[1] == md.split("\n", 1)[1]
+    assert (out / "runs" / "v2-L4-mpo-s0" / "log.txt").read_text() == log
