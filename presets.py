@@ -18,7 +18,7 @@ import importlib.util
 import json
 import os
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -215,14 +215,26 @@ SMOL_WARM = {"steps": 24, "batch": 8, "lr": 3e-4, "layers": 8, "r": 16, "episode
              "version": 2}
 
 
+# smol_hops (docs/smol.md, the multi-hop study): 2-3-hop episodes of ~3.5 turns of ~36 tokens
+# (a reasoning line before each action) need a longer warm start: after 48 steps on 64 episodes
+# greedy exact match was 0/64 (turn 0 right, then the same search repeated). "seed": one warm
+# start for every run, on seed 0's scripted episodes (a seed then picks the knowledge bases,
+# questions and sampling, not the starting model). "bf16": forward passes under bfloat16
+# autocast where the CPU has bf16 units (weights, LoRA update and merge stay float32).
+SMOL_HOPS_WARM = {**SMOL_WARM, "steps": 120, "episodes": 100, "explain": True, "bf16": True,
+                  "seed": 0}
+
+
 @dataclass
 class SmolOptions:
-    """The smol preset's own flag."""
-    smol_warm_steps: int = field(default=SMOL_WARM["steps"], metadata={
-        "help": "smol: supervised warm-start steps before RL (0: the untouched instruct model)"})
+    """The smol presets' own flag (smol and smol_hops)."""
+    smol_warm_steps: int | None = field(default=None, metadata={
+        "help": f"smol, smol_hops: supervised warm-start steps before RL (default "
+                f"{SMOL_WARM['steps']}, smol_hops {SMOL_HOPS_WARM['steps']}; 0: the untouched "
+                f"instruct model)"})
 
     def __post_init__(self):
-        if self.smol_warm_steps < 0:
+        if self.smol_warm_steps is not None and self.smol_warm_steps < 0:
             raise ValueError(f"--smol_warm_steps must be >= 0, got {self.smol_warm_steps}")
 
 
@@ -262,9 +274,9 @@ def convert_smol(path: Path) -> str:
 
 
 def warm_start_smol(base: str, path: Path, episodes: list[list[dict]], seed: int,
-                    steps: int) -> str:
-    """SmolLM2 after `steps` of SMOL_WARM's supervised warm start on `episodes`, saved at `path`
-    (once)."""
+                    steps: int, warm: dict = SMOL_WARM) -> str:
+    """SmolLM2 after `steps` of the supervised warm start `warm` (SMOL_WARM's batch, lr, LoRA
+    layers and rank) on `episodes`, saved at `path` (once)."""
     if steps == 0:
         return base
     if (path / "config.json").exists():
@@ -276,30 +288,41 @@ def warm_start_smol(base: str, path: Path, episodes: list[list[dict]], seed: int
     tok = AutoTokenizer.from_pretrained(base)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     n = model.config.num_hidden_layers
-    lora = LoraConfig(r=SMOL_WARM["r"], lora_alpha=2 * SMOL_WARM["r"], lora_dropout=0.0,
+    lora = LoraConfig(r=warm["r"], lora_alpha=2 * warm["r"], lora_dropout=0.0,
                       target_modules=LORA_TARGETS,
-                      layers_to_transform=list(range(n - SMOL_WARM["layers"], n)))
+                      layers_to_transform=list(range(n - warm["layers"], n)))
     model = get_peft_model(model, lora)
-    with torch.random.fork_rng():       # building the cache must not change the caller's stream
-        torch.manual_seed(seed)
+    from run_utils import cpu_has_bf16
+    bf16 = warm.get("bf16", False) and cpu_has_bf16()
+    with torch.random.fork_rng(), torch.autocast("cpu", torch.bfloat16, enabled=bf16):
+        torch.manual_seed(seed)          # building the cache must not change the caller's stream
         supervised_warm_start(model, tok, episodes, steps, seed,
-                              SMOL_WARM["batch"], SMOL_WARM["lr"], desc="smol warm start")
+                              warm["batch"], warm["lr"], desc="smol warm start")
     return save_atomically(model.merge_and_unload(), tok, path)
 
 
-def prepare_smol_model(cfg, suite) -> str:
+def prepare_smol_model(cfg, suite, warm: dict = SMOL_WARM) -> str:
     """`--model smol`: SmolLM2-135M-Instruct converted from the wheel's GGUF, then warm-started
-    on this seed's scripted training episodes; both cached in $MPO_CACHE.
+    (`warm`) on this seed's scripted training episodes; both cached in $MPO_CACHE.
     Any other --model is used as given."""
     if cfg.model != "smol":
         return cfg.model
     base = convert_smol(model_cache() / "smollm2-135m-instruct")
     steps = SmolOptions(**cfg.preset_options).smol_warm_steps
-    episodes = suite.warm_start()[:SMOL_WARM["episodes"]]
-    content = json.dumps([episodes, cfg.seed, {**SMOL_WARM, "steps": steps}])
+    steps = warm["steps"] if steps is None else steps
+    seed = warm.get("seed", cfg.seed)                   # one warm start for every seed, or its own
+    if seed != cfg.seed:
+        suite = PRESETS[cfg.preset].make_suite(replace(cfg, seed=seed))
+    episodes = suite.warm_start()[:warm["episodes"]]
+    content = json.dumps([episodes, seed, {**warm, "steps": steps}])
     key = hashlib.sha1(content.encode()).hexdigest()[:12]
-    return warm_start_smol(base, model_cache() / f"smollm2-135m-warm-{key}", episodes, cfg.seed,
-                           steps)
+    return warm_start_smol(base, model_cache() / f"smollm2-135m-warm-{key}", episodes, seed,
+                           steps, warm)
+
+
+def prepare_smol_hops_model(cfg, suite) -> str:
+    """prepare_smol_model with the multi-hop warm start (SMOL_HOPS_WARM)."""
+    return prepare_smol_model(cfg, suite, SMOL_HOPS_WARM)
 
 
 def smol_suite(cfg):
@@ -307,6 +330,15 @@ def smol_suite(cfg):
     import search_env
     import train_min
     return train_min.search_suite(cfg, system_prompt=search_env.SHORT_SYSTEM_PROMPT)
+
+
+def smol_hops_suite(cfg):
+    """The search agent on 2-3-hop questions, one reasoning line before each action (the warm
+    start's episodes show it: search_env.reading_oracle(explain=True))."""
+    import search_env
+    import train_min
+    return train_min.search_suite(cfg, system_prompt=search_env.REASONING_SYSTEM_PROMPT,
+                                  explain=True)
 
 
 # One-hop questions, one document per search, LoRA on the top 8 of 30 layers (the 22 below run
@@ -319,6 +351,18 @@ SMOL = dict(
     minibatches=2, micro_batch_size=8, rollout_batch_size=64, lr_policy=2e-4, lr_critic=2e-4,
     lr_value_head=1e-3, temperature=0.7, eval_every=10, eval_first=True, greedy_eval=True,
     save_every=5, structure_every=5,
+)
+
+# smol_hops: the multi-hop study of docs/smol.md (issue 28), where MPO's mechanisms have work to
+# do: 2-3 hops (3-4 assistant turns when solved) of ~36 tokens (a reasoning line, then the
+# action), so credit crosses 2-3 turn boundaries and token GAE decays ~0.95^36 ≈ 0.16 per turn
+# against λ = 0.8; a critic warm-up (4 value-only updates) so values predict before they shape
+# advantages; 2 epochs x 4 minibatches so ratios move off 1 after the first; a fixed set of 200
+# validation questions (greedy, per-question outcomes in eval/).
+SMOL_HOPS = dict(
+    SMOL, min_hops=2, max_hops=3, max_turns=5, max_new_tokens=64, max_total_tokens=1024,
+    steps=24, n_val=200, ppo_epochs=2, minibatches=4, critic_warmup_steps=4, eval_every=24,
+    save_every=2, structure_every=4,
 )
 
 
@@ -493,6 +537,7 @@ SHAPE_QWEN3_4B = dict(model="experiments/benchmarks/gpu_models/qwen3-4b.json")
 PRESETS = {
     "default": Preset(),                # the paper's §10 run on a GPU: Config's own defaults
     "smol": Preset(SMOL, prepare_smol_model, smol_suite, SmolOptions),   # a real LLM, docs/smol.md
+    "smol_hops": Preset(SMOL_HOPS, prepare_smol_hops_model, smol_hops_suite, SmolOptions),
     "tiny": Preset(TINY, prepare_tiny_model, small_search_suite),
     "testbed": Preset(TESTBED, prepare_tiny_model, testbed_suite, TestbedOptions),
     # the default run with random weights of the published shapes: gpu_check.py, on a GPU

@@ -165,25 +165,28 @@ def bench_generate(args, extra) -> None:
     for task in suite.train[:cfg.questions_per_step * cfg.n_rollouts]:
         prompts.append(train_min.render_ids(tok, suite.make_env(task).reset()))
     real = transformers.GenerationConfig
-    for cache in ("dynamic", "static"):
-        for rows in (len(prompts), len(prompts) // 2, len(prompts) // 4):
+    settings = [(c, r) for c in ("dynamic", "static")
+                for r in (len(prompts), len(prompts) // 2, len(prompts) // 4)]
+    times = {s: [] for s in settings}
+    tokens = {}
+    for rep in range(args.repeats):              # interleaved: noise hits every setting alike
+        for cache, rows in (settings if rep % 2 == 0 else settings[::-1]):
             transformers.GenerationConfig = (lambda *a, _c=cache, **kw: real(
                 *a, **kw, cache_implementation=_c))
             cfg.rollout_batch_size = rows
             try:
-                t, n = [], 0
-                for r in range(args.repeats):
-                    seed_everything(r)
-                    t0 = time.perf_counter()
-                    out = train_min.generate_turns(model, tok, prompts, cfg, False,
-                                                   suite.stop_strings)
-                    t.append(time.perf_counter() - t0)
-                    n = sum(map(len, out))
+                seed_everything(rep)
+                t0 = time.perf_counter()
+                out = train_min.generate_turns(model, tok, prompts, cfg, False,
+                                               suite.stop_strings)
+                times[cache, rows].append(time.perf_counter() - t0)
+                tokens[cache, rows] = sum(map(len, out))
             finally:
                 transformers.GenerationConfig = real
-            s = statistics.median(t)
-            print(f"cache {cache:7s} rows/call {rows:3d}: {s:5.1f} s for {len(prompts)} turns "
-                  f"({n} tokens, {n / s:.0f} tokens/s)", flush=True)
+    for (cache, rows), t in times.items():
+        s, n = statistics.median(t), tokens[cache, rows]
+        print(f"cache {cache:7s} rows/call {rows:3d}: {s:5.1f} s (median of {len(t)}) for "
+              f"{len(prompts)} first turns ({n} tokens in the last repeat, {n / s:.0f} tokens/s)")
 
 
 def main() -> None:
