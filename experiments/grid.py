@@ -676,8 +676,10 @@ ALPHA = 0.05                 # the family-wise error rate of the Holm correction
 
 
 def v2_jobs(args, extra: list[str]) -> list[dict]:
-    """The v2 grid: V2_VARIANTS × seeds × L ∈ turn_lens in the v2 regime, longest L first, then
-    the counter-regime (streaming L = 4, feedback on, every key counts: mpo, ppo, grpo × seeds)."""
+    """The v2 grid: V2_VARIANTS × seeds × L ∈ turn_lens in the v2 regime and the counter-regime
+    (streaming L = 4, feedback on, every key counts: mpo, ppo, grpo × seeds), seed by seed (a
+    grid stopped early, e.g. at the end of a session, holds complete seeds of every cell: its
+    paired comparisons are usable), longest runs first within a seed."""
     jobs = []
     for L in sorted(args.turn_lens, reverse=True):
         for variant in args.variants:
@@ -696,7 +698,8 @@ def v2_jobs(args, extra: list[str]) -> list[dict]:
                                         ["--testbed_streaming", "true", *extra],
                                         {"regime": "stream", "streaming": True, "feedback": True},
                                         args.cache))
-    return jobs
+    seeds = {seed: i for i, seed in enumerate(args.seeds)}
+    return sorted(jobs, key=lambda j: (seeds[j["meta"]["seed"]], -j["meta"]["turn_len"]))
 
 
 def rounded(x, digits: int = 4):
@@ -918,9 +921,12 @@ def v2_report(results: Path, out: Path | None = None) -> str:
     verdict = counter_verdict(comps)
     md = ""
     if info.get("command"):
-        md += (f"Command: `{info['command']}`; {info['runs']} runs "
-               f"({info.get('run_min_total', 0):.0f} run-minutes; this invocation "
-               f"{info['wall_min']:.1f} min) on {info['machine']}; commit {info['commit']}.\n\n")
+        done = (f"**partial: {info['runs']} of the {info['planned']} planned runs**"
+                if info.get("partial") else f"{info['runs']} runs")
+        wall = f"; this invocation {info['wall_min']:.1f} min" if "wall_min" in info else ""
+        md += (f"Command: `{info['command']}`; {done} "
+               f"({info.get('run_min_total', 0):.0f} run-minutes{wall}) on {info['machine']}; "
+               f"commit {info['commit']}.\n\n")
     md += ("Final success = greedy validation reward at each run's last evaluation (percent); "
            "mean ± standard error over seeds.\n\n" + v2_cell_table(records))
     md += ("\nPaired by seed (same initial model and tasks), variant minus A, percentage points "
@@ -954,8 +960,19 @@ def v2_curves(records: list[dict], path: Path) -> Path:
 
 def testbed_v2(args, argv: list[str], extra: list[str]) -> str:
     """The v2 grid (unless --report_only), its raw records into --results, then the report; with
-    --report_only only the report, from the --results file."""
-    if not args.report_only:
+    --report_only only the report, from the --results file; with --collect the records of the
+    runs finished so far (a grid still running, or stopped), then the report."""
+    if args.collect:
+        args.cache = (args.cache or args.out / "cache").resolve()
+        args.out = args.out.resolve()
+        records = collect_v2(args.out)
+        write_results(args.results, {
+            "command": "python experiments/grid.py " + " ".join(argv), "runs": len(records),
+            "planned": len(v2_jobs(args, extra)), "partial": True, "commit": git_commit(),
+            "run_min_total": sum(r["wall_s"] or 0 for r in records) / 60,
+            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+            "python": platform.python_version()}, records)
+    elif not args.report_only:
         args.cache = (args.cache or args.out / "cache").resolve()
         args.out = args.out.resolve()
         jobs = v2_jobs(args, extra)
@@ -1072,6 +1089,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--quick", action="store_true",
                    help="2 seeds, L = 4 (+ streaming mpo, ppo), 20 updates; --v2: 2 seeds, L = 8 "
                         "(+ streaming mpo, ppo), 10 updates, results in the output folder")
+    t.add_argument("--collect", action="store_true",
+                   help="--v2: write --results from the runs finished so far, then the report")
     t.add_argument("--report_only", action="store_true",
                    help="only rebuild table and plots from finished runs (--v2: from --results)")
     t.add_argument("--results", type=Path, default=None,

@@ -305,3 +305,19 @@ def test_rollout_trains_no_pad_after_a_stop_string_and_puts_the_reward_on_a_samp
         rewards = mpo.outcome_rewards(torch.tensor([t.reward]), batch["turn_ids"])
         last = max(p for p, tid in enumerate(t.turn_ids) if tid >= 0)
         assert rewards[0, last] == 1.0 and t.ids[last] == answer[-1]  # R on the sampled '>'
+
+
+def test_smol_hops_preset_is_multi_hop_with_reasoning_turns_of_20_plus_tokens(tok, tmp_path):
+    cfg = train_min.parse_config(["--preset", "smol_hops", "--out_dir", str(tmp_path / "run")])
+    assert (cfg.min_hops, cfg.max_hops, cfg.max_turns, cfg.n_val) == (2, 3, 5, 200)
+    assert cfg.critic_warmup_steps > 0 and cfg.ppo_epochs * cfg.minibatches >= 4
+    assert cfg.preset_options == {"smol_warm_steps": None}        # the preset's own default
+    suite = presets.PRESETS["smol_hops"].make_suite(cfg)
+    assert suite.make_env(suite.val[0]).reset()[0]["content"] == search_env.REASONING_SYSTEM_PROMPT
+    episodes = suite.warm_start()[:presets.SMOL_HOPS_WARM["episodes"]]
+    turns = [m["content"] for e in episodes for m in e if m["role"] == "assistant"]
+    lengths = [len(tok(t, add_special_tokens=False).input_ids) + 1 for t in turns]   # + <|im_end|>
+    assert len(episodes) == 100 and 3.0 <= len(turns) / len(episodes) <= 4.0
+    assert sum(lengths) / len(lengths) >= 20 and max(lengths) < cfg.max_new_tokens
+    asked = {next(m["content"] for m in e if m["role"] == "user") for e in episodes}
+    assert not asked & {search_env.user_message(q) for q in suite.train}   # never a training one
