@@ -279,8 +279,22 @@ class PaddingPolicy(ScriptedPolicy):
         return torch.cat([input_ids, new], dim=1)
 
 
+@pytest.fixture(params=["smol", "qwen-like"])
+def pad_tok(request, tok):
+    """SmolLM2's tokenizer (pad = <|im_end|>, the end of turn), or a copy whose pad is
+    <|endoftext|> as Qwen2.5's is (pad != end of turn; both are stop ids in generate_turns)."""
+    if request.param == "smol":
+        return tok
+    import copy
+    qwen_like = copy.deepcopy(tok)
+    qwen_like.pad_token = "<|endoftext|>"
+    assert qwen_like.pad_token_id != qwen_like.convert_tokens_to_ids(IM_END)
+    return qwen_like
+
+
 def test_rollout_trains_no_pad_after_a_stop_string_and_puts_the_reward_on_a_sampled_token(
-        tok, suite):
+        pad_tok, suite):
+    tok = pad_tok
     cfg, s = suite
     q = s.train[0]
     first, second = q.gold_queries
@@ -301,6 +315,8 @@ def test_rollout_trains_no_pad_after_a_stop_string_and_puts_the_reward_on_a_samp
             if k < 2:                              # the template closes the turn, once
                 assert t.ids[pos[-1] + 1] == im_end and t.turn_ids[pos[-1] + 1] == -1
         assert t.reward == 1.0
+        if tok.pad_token_id != im_end:         # Qwen-like: the pad never enters the context
+            assert tok.pad_token_id not in t.ids
         batch = train_min.collate([t], tok.pad_token_id, torch.device("cpu"))
         rewards = mpo.outcome_rewards(torch.tensor([t.reward]), batch["turn_ids"])
         last = max(p for p, tid in enumerate(t.turn_ids) if tid >= 0)
