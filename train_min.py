@@ -699,13 +699,13 @@ def train(argv: list[str]) -> dict:
     cfg = parse_config(argv)            # then, before any model is loaded or file written:
     if cfg.eval_only:                   # the evaluated run's config, its checkpoint
         cfg, ckpt = eval_config(cfg, argv, Config)
-    else:                               # a used folder needs --overwrite; --resume, the same config
-        intact = check_out_dir(cfg, Config)
     device = setup_device(cfg)          # exits 2 with a hint when the default run finds no GPU
+    seed_everything(cfg.seed)
+    suite = make_suite(cfg)             # (a preset's task may set values: the testbed's turn budget)
+    if not cfg.eval_only:               # a used folder needs --overwrite; --resume, the same config
+        intact = check_out_dir(cfg, Config)
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    seed_everything(cfg.seed)
-    suite = make_suite(cfg)
     if prepare := presets.PRESETS[cfg.preset].prepare_model:    # e.g. tiny builds its model folder
         cfg.model = prepare(cfg, suite)
     tok, model, value_head = load_model(cfg, device)

@@ -367,3 +367,18 @@ def test_zeroed_advantages_do_not_learn(learn_args, base, monkeypatch):
     assert updates_to(val, THRESHOLD) is None
     assert max(v for _, v in val) < 0.5 and rows[-1]["train/reward"] <= CHANCE_MAX
 
+
+
+def test_a_stopped_testbed_run_resumes_exactly(learn_args, base):
+    """The testbed's task sets max_turns / max_new_tokens (its turn budget) after parsing: the
+    resume check must compare the config with those set, as the checkpoint saved it."""
+    # the last step of a run also evaluates and logs the critic's structure: do both every step
+    args = learn_args[:-2] + ["--save_every", "2", "--eval_every", "1", "--structure_every", "1",
+                              "--testbed_turn_len", "8"]
+    whole = run_rows(args + ["--steps", "4", "--out_dir", str(base / "tb-whole")])
+    run_rows(args + ["--steps", "2", "--out_dir", str(base / "tb-split")])
+    split = run_rows(args + ["--steps", "4", "--resume", "--out_dir", str(base / "tb-split")])
+    assert json.loads((base / "tb-split" / "config.json").read_text())["max_turns"] == 3
+    volatile = ("time/", "tokens_per_s", "mem/")
+    assert [{k: v for k, v in r.items() if not k.startswith(volatile)} for r in split] == [
+        {k: v for k, v in r.items() if not k.startswith(volatile)} for r in whole]
