@@ -3,6 +3,7 @@
     python experiments/benchmarks/bench_dtype.py                 # 3 timed steps per dtype
     python experiments/benchmarks/bench_dtype.py --steps 1       # quicker (~5 min)
     python experiments/benchmarks/bench_dtype.py --generate      # generate: rows per call, cache
+    python experiments/benchmarks/bench_dtype.py --audit         # real rollouts hold sampled ids only
 
 Both models are loaded from the same warm-started SmolLM2 (presets.prepare_smol_model), one with
 `--dtype float32`, one with `--dtype bfloat16`, each with its own optimiser, and trained on the same
@@ -45,6 +46,7 @@ def matmul_rate(dtype: torch.dtype, m=16 * 320, k=576, n=1536, repeats=10) -> fl
 
 
 def load(dtype: str, argv: list[str]):
+    """The smol preset's model (warm-started, cached) at `dtype`; argv: more train_min flags."""
     cfg = train_min.parse_config(["--preset", "smol", "--dtype", dtype, "--out_dir",
                                   f"/tmp/bench-dtype-{dtype}", *argv])
     seed_everything(cfg.seed)
@@ -189,15 +191,71 @@ def bench_generate(args, extra) -> None:
               f"{len(prompts)} first turns ({n} tokens in the last repeat, {n / s:.0f} tokens/s)")
 
 
+def audit(args, extra) -> None:
+    """A real rollout of the smol preset (--dtype auto) holds only sampled ids: every action of
+    every turn is a prefix of what `generate` returned for that row, what follows the cut in
+    that row is padding only (nothing the policy sampled is dropped), and no turn goes on after
+    its stop string is complete (SmolLM2 pads with <|im_end|>, so a pad kept after "</search>"
+    would look sampled). Exits 1 naming the first mismatch."""
+    run = load("auto", extra)
+    cfg, suite, tok, model = run[:4]
+    calls, real_generate = [], model.generate
+
+    def recording(input_ids, attention_mask, **kw):
+        out = real_generate(input_ids=input_ids, attention_mask=attention_mask, **kw)
+        width = input_ids.shape[1]
+        for row, mask, new in zip(input_ids.tolist(), attention_mask.tolist(),
+                                  out[:, width:].tolist()):
+            calls.append(([t for t, m in zip(row, mask) if m], new))
+        return out
+
+    model.generate = recording
+    seed_everything(args.seed)
+    tasks = suite.train[:cfg.questions_per_step]
+    trajs = train_min.rollout(model, tok, suite, tasks, cfg, cfg.n_rollouts)
+    checked = cut_rows = 0
+    used = set()                        # (episode, turn): each turn belongs to one generate row
+
+    def turn_of(t, prompt):
+        return t.turn_ids[len(prompt)] if len(t.ids) > len(prompt) else -1
+    for prompt, new in calls:           # rows with the same prompt (n_rollouts of a question)
+        owners = [(i, t) for i, t in enumerate(trajs) if t.ids[:len(prompt)] == prompt
+                  and turn_of(t, prompt) >= 0 and (i, turn_of(t, prompt)) not in used]
+        match = None
+        for i, t in owners:
+            k = turn_of(t, prompt)
+            action = [x for x, tid in zip(t.ids, t.turn_ids) if tid == k]
+            early = [x for x in suite.stop_strings if x in tok.decode(action[:-1])]
+            if action == new[:len(action)] and all(x == tok.pad_token_id
+                                                    for x in new[len(action):]):
+                if early:               # the row finished before its last kept token
+                    raise SystemExit(f"audit: turn {k} goes on after its stop string {early[0]}"
+                                     f" was complete: {tok.decode(action)!r}")
+                match = (i, k, action)
+                break
+        if match is None:
+            raise SystemExit(f"audit: no episode holds the generated row {new} exactly up to "
+                             f"its cut with only padding after it ({len(owners)} candidates)")
+        used.add(match[:2])
+        checked += 1
+        cut_rows += len(new) > len(match[2])
+    if checked != sum(t.n_turns for t in trajs):
+        raise SystemExit(f"audit: {sum(t.n_turns for t in trajs)} turns but {checked} rows")
+    print(f"audit: {checked} generated turns of {len(trajs)} episodes hold exactly the sampled "
+          f"ids; {cut_rows} rows had padding after their stop, none of it kept")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=3, help="timed steps per dtype")
     p.add_argument("--generate", action="store_true", help="time generate settings instead")
     p.add_argument("--repeats", type=int, default=2, help="--generate: repeats per setting")
+    p.add_argument("--audit", action="store_true", help="check a real rollout's ids instead")
+    p.add_argument("--seed", type=int, default=0, help="--audit: sampling seed")
     args, extra = p.parse_known_args()              # the rest: train_min flags, e.g. --seed 1
     if args.steps < 1 or args.repeats < 1:
         p.error("--steps and --repeats must be >= 1")
-    (bench_generate if args.generate else bench_steps)(args, extra)
+    (audit if args.audit else bench_generate if args.generate else bench_steps)(args, extra)
 
 
 if __name__ == "__main__":
