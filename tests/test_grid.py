@@ -8,6 +8,7 @@ The tiny-preset runs use a tiny model built once here without warm start (second
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 from pathlib import Path
@@ -391,3 +392,15 @@ def test_v2_grid_end_to_end_collects_markers_into_the_results_file(tmp_path, one
     again = grid.main(argv)                         # finished runs are skipped, same tables
     assert again.split("\n", 1)[1] == md.split("\n", 1)[1]
     assert (out / "runs" / "v2-L4-mpo-s0" / "log.txt").read_text() == log
+
+
+def test_paired_t_matches_scipy_and_gives_no_test_for_identical_differences():
+    r = grid.paired_t([0.5, 0.7, 0.6], [0.4, 0.4, 0.4])
+    # by hand: differences 0.1, 0.3, 0.2: mean 0.2, sd 0.1, se 0.1 / √3
+    assert r["n"] == 3 and math.isclose(r["mean"], 0.2) and math.isclose(r["se"], 0.1 / 3 ** 0.5)
+    assert math.isclose(r["t"], 0.2 / (0.1 / 3 ** 0.5))
+    assert math.isclose(r["p"], 0.0742, abs_tol=5e-4)     # t 3.46 on 2 dof, two-sided
+    same = grid.paired_t([0.5, 0.6], [0.625, 0.725])      # both seeds −0.125: SE 0
+    assert same["se"] == 0 and math.isnan(same["t"]) and same["p"] == 1.0
+    assert grid.paired_t([0.5, 0.5], [0.5, 0.5])["p"] == 1.0
+
