@@ -43,6 +43,8 @@ table.md beside it:
     python experiments/grid.py testbed --v2                 # 210 runs, ~2 h on 2 cores
     python experiments/grid.py testbed --v2 --report_only   # the tables again from results.json
     python experiments/grid.py testbed --v2 --quick         # 2 seeds, L = 8, 10 updates
+    python experiments/grid.py testbed --v2 --seeds 4 5 6 7 8 9 --merge   # continue a grid
+                                            # whose seeds 0-3 are committed, their folders gone
 
 Every run folder gets a marker, run.json: the full train_min argument list, the step budget, the
 step reached and `finished`, true only when train_min returned normally at its final step. A run
@@ -754,6 +756,18 @@ def collect_v2(out: Path) -> list[dict]:
     return records
 
 
+def merge_records(path: Path, records: list[dict]) -> tuple[list[dict], int]:
+    """records plus those already in the results file at path whose run (setting, variant,
+    seed) is not among them: a grid continued in a later session, whose earlier run folders are
+    gone, keeps the runs it committed. Returns the merged records, in grid order, and how many
+    came from the file."""
+    key = lambda r: (r["setting"], r["variant"], r["seed"])
+    have = {key(r) for r in records}
+    old = [r for r in json.loads(path.read_text())["runs"] if key(r) not in have] \
+        if path.exists() else []
+    return sorted(records + old, key=order_key), len(old)
+
+
 def write_results(path: Path, info: dict, records: list[dict]) -> Path:
     """The committed raw file: {"info": ..., "runs": [one record per line]}, small and diffable."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -962,14 +976,19 @@ def v2_curves(records: list[dict], path: Path) -> Path:
 def testbed_v2(args, argv: list[str], extra: list[str]) -> str:
     """The v2 grid (unless --report_only), its raw records into --results, then the report; with
     --report_only only the report, from the --results file; with --collect the records of the
-    runs finished so far (a grid still running, or stopped), then the report."""
+    runs finished so far (a grid still running, or stopped), then the report; with --merge the
+    records already in --results for runs not found here are kept (merge_records)."""
+    kept = 0
     if args.collect:
         args.cache = (args.cache or args.out / "cache").resolve()
         args.out = args.out.resolve()
         records = collect_v2(args.out)
+        if args.merge:
+            records, kept = merge_records(args.results, records)
         write_results(args.results, {
             "command": "python experiments/grid.py " + " ".join(argv), "runs": len(records),
-            "planned": len(v2_jobs(args, extra)), "partial": True, "commit": git_commit(),
+            "planned": len(v2_jobs(args, extra)), "kept_from_file": kept,
+            "partial": len(records) < len(v2_jobs(args, extra)), "commit": git_commit(),
             "run_min_total": sum(r["wall_s"] or 0 for r in records) / 60,
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
             "python": platform.python_version()}, records)
@@ -981,9 +1000,11 @@ def testbed_v2(args, argv: list[str], extra: list[str]) -> str:
         t0 = time.perf_counter()
         run_jobs(jobs, args.workers)
         records = collect_v2(args.out)
+        if args.merge:
+            records, kept = merge_records(args.results, records)
         write_results(args.results, {
             "command": "python experiments/grid.py " + " ".join(argv), "runs": len(records),
-            "wall_min": (time.perf_counter() - t0) / 60, "commit": git_commit(),
+            "kept_from_file": kept, "wall_min": (time.perf_counter() - t0) / 60, "commit": git_commit(),
             "run_min_total": sum(r["wall_s"] or 0 for r in records) / 60,
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {args.workers} workers",
             "python": platform.python_version()}, records)
@@ -1092,6 +1113,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(+ streaming mpo, ppo), 10 updates, results in the output folder")
     t.add_argument("--collect", action="store_true",
                    help="--v2: write --results from the runs finished so far, then the report")
+    t.add_argument("--merge", action="store_true",
+                   help="--v2: keep the records in --results of runs not found under --out (a "
+                        "grid continued in another session, e.g. --seeds 4 5 ... after 0-3)")
     t.add_argument("--report_only", action="store_true",
                    help="only rebuild table and plots from finished runs (--v2: from --results)")
     t.add_argument("--results", type=Path, default=None,

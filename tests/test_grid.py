@@ -404,3 +404,20 @@ def test_paired_t_matches_scipy_and_gives_no_test_for_identical_differences():
     assert same["se"] == 0 and math.isnan(same["t"]) and same["p"] == 1.0
     assert grid.paired_t([0.5, 0.5], [0.5, 0.5])["p"] == 1.0
 
+
+
+def test_merge_records_keeps_committed_runs_the_new_runs_lack_and_lets_new_ones_win(tmp_path):
+    def rec(setting, variant, seed, final):
+        return {"setting": setting, "regime": "stream" if setting.startswith("stream") else "v2",
+                "turn_len": int(setting.rsplit("L", 1)[1]), "variant": variant, "seed": seed,
+                "final": final}
+    path = tmp_path / "results.json"
+    grid.write_results(path, {"runs": 3}, [rec("v2-L8", "mpo", 0, 0.1), rec("v2-L8", "mpo", 4, 0.2),
+                                           rec("stream-L4", "ppo", 0, 0.3)])
+    new = [rec("v2-L8", "mpo", 4, 0.9), rec("v2-L32", "ppo", 5, 0.5)]
+    merged, kept = grid.merge_records(path, new)
+    assert kept == 2
+    assert [(r["setting"], r["variant"], r["seed"], r["final"]) for r in merged] == [
+        ("v2-L8", "mpo", 0, 0.1), ("v2-L8", "mpo", 4, 0.9),       # the new seed-4 run wins
+        ("v2-L32", "ppo", 5, 0.5), ("stream-L4", "ppo", 0, 0.3)]   # grid order: L, then stream
+    assert grid.merge_records(tmp_path / "none.json", new) == (sorted(new, key=grid.order_key), 0)
