@@ -15,6 +15,7 @@ import torch
 import presets
 import train_min
 from experiments.benchmarks import gpu_check
+from helpers import randomise_lora_b
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU_MODELS = ROOT / "experiments" / "benchmarks" / "gpu_models"
@@ -149,11 +150,7 @@ def test_chunked_logprobs_and_gradients_match_one_log_softmax_over_all_rows(
         shape_model, monkeypatch, temperature):
     cfg, _ = shape_model
     tok, model, _ = train_min.load_model(cfg, CPU)
-    g = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                p.copy_(0.05 * torch.randn(p.shape, generator=g))
+    g = randomise_lora_b(model, 0.05, seed=3)                    # g goes on to draw the batch
     ids = torch.randint(len(tok), (3, 40), generator=g)
     attn = torch.ones_like(ids)
     act = torch.rand(ids.shape, generator=g) < 0.6
@@ -202,11 +199,8 @@ def test_gradient_checkpointing_gives_both_adapters_the_same_gradients(shape_mod
         cfg.gradient_checkpointing = checkpointing
         torch.manual_seed(0)
         tok, model, value_head = train_min.load_model(cfg, CPU)
+        randomise_lora_b(model, 0.05, seed=0)          # the same B's in both models
         with torch.no_grad():
-            for n, p in model.named_parameters():
-                if "lora_B" in n:
-                    p.copy_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(
-                        hash(n) % 2**31)))
             value_head.linear.weight.normal_(0, 0.3)
         model.train()
         assert model.is_gradient_checkpointing == checkpointing

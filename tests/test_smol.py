@@ -17,6 +17,7 @@ import mpo
 import presets
 import search_env
 import train_min
+from helpers import randomise_lora_b
 
 IM_END = "<|im_end|>"
 
@@ -160,10 +161,8 @@ def load_split_model(path, lora_layers):
                            gradient_checkpointing=False, lora_layers=lora_layers, lora_r=4)
     tok, model, value_head = train_min.load_model(cfg, torch.device("cpu"))
     torch.manual_seed(1)
-    with torch.no_grad():                # non-zero LoRA B, so the adapted layers matter
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.1)
+    randomise_lora_b(model, 0.1)         # non-zero LoRA B (global RNG), so the adapted layers matter
+    with torch.no_grad():
         value_head.linear.weight.normal_(0, 0.1)
     return tok, model, value_head
 

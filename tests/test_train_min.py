@@ -31,7 +31,7 @@ import presets
 import run_utils
 import search_env
 import train_min
-from helpers import run_main
+from helpers import randomise_lora_b, run_main
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -84,13 +84,7 @@ def loaded(cfg):
     """Tokenizer, PEFT model and value head; LoRA B and the value head are randomised (they start
     at zero), so the two adapters compute different functions and values are not all 0."""
     tok, model, value_head = train_min.load_model(cfg, CPU)
-    g = torch.Generator().manual_seed(1234)
-    with torch.no_grad():
-        for n, p in _trainable(model, value_head).items():
-            if "lora_B" in n:
-                p.copy_(0.05 * torch.randn(p.shape, generator=g))
-            elif n.startswith("value_head."):
-                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+    randomise_lora_b(model, 0.05, seed=1234, value_head=value_head, value_head_std=0.3)
     snapshot = {n: p.detach().clone() for n, p in _trainable(model, value_head).items()}
     return tok, model, value_head, snapshot
 
@@ -774,11 +768,7 @@ def bf16_loaded(tiny_path, base):
     cfg = make_cfg(tiny_path, base, "--dtype", "bfloat16", "--load_in_4bit", "false",
                    "--minibatches", "2", "--micro_batch_size", "2")
     tok, model, value_head = train_min.load_model(cfg, CPU)
-    g = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                p.copy_(0.05 * torch.randn(p.shape, generator=g))
+    randomise_lora_b(model, 0.05, seed=7)
     return cfg, tok, model, value_head
 
 
