@@ -17,10 +17,11 @@ so their greedy step-0 evaluation is A's, question for question.
 
 The design (fixed before the runs, docs/smol.md): the final greedy exact match on the 200
 validation questions of each seed's disjoint knowledge base; gains over step 0; paired
-differences from A by seed (mean, SD σ_d, SE, paired t-test) and per question (McNemar's exact
-test on the discordant questions, per seed and pooled); the seeds a 3-point A − B difference
-needs at 2 SE, ⌈(2σ_d / 3)²⌉; the mechanism gates per run (critic explained variance, turn clip
-fraction, spread of per-turn log-ratios, share of advantage variance within turns).
+differences from A by seed (mean, SD σ_d, SE, paired t-test, Holm over the A − X comparisons)
+and per question (McNemar's exact test on the discordant questions, pooled over seeds); the
+seeds a 3-point A − B difference needs at 2 SE, ⌈(2σ_d / 3)²⌉ (cap 8); the mechanism gates per
+run (critic explained variance, turn clip fraction, spread of per-turn log-ratios, share of
+advantage variance within turns).
 """
 from __future__ import annotations
 
@@ -35,12 +36,16 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))                    # python experiments/smol_study.py from anywhere
+from experiments import grid  # noqa: E402
+
 STAGES = {"pilot": ("mpo", "mpo_token_is", "mpo_beta0"), "abc": ("mpo", "mpo_token_is", "mpo_beta0"),
           "baselines": ("ppo", "grpo")}
 LABELS = {"mpo": "A: MPO", "mpo_token_is": "B: MPO w/ token IS", "mpo_beta0": "C: MPO β=0",
           "ppo": "PPO", "grpo": "GRPO"}
 GATES = ("critic/explained_variance", "loss/turn_clip_frac", "loss/turn_log_ratio_std",
          "adv/within_turn_share")
+MAX_SEEDS = 8                                    # the full study's cap (docs/smol.md)
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -53,15 +58,19 @@ def final_step(run: Path) -> int:
 
 
 # --- run ------------------------------------------------------------------------------------
+def launch(argv: list[str]) -> None:
+    """One train_min run in a subprocess (a crash in it leaves this driver standing)."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    subprocess.run([sys.executable, "train_min.py", *argv], cwd=ROOT, env=env, check=True)
+
+
 def run_one(variant: str, seed: int, args, extra: list[str]) -> None:
+    import train_min                             # torch, but no model: parsing only
     name = f"{variant}-s{seed}"
     out, saved = args.runs / name, args.results / name
     argv = ["--preset", "smol_hops", "--variant", variant, "--seed", str(seed),
             "--out_dir", str(out), *extra]
-    steps = json.loads(subprocess.run(
-        [sys.executable, "-c", "import json, sys, train_min; print(json.dumps("
-         "train_min.parse_config(sys.argv[1:]).steps))", *argv], cwd=ROOT, check=True,
-        capture_output=True, text=True).stdout.strip().splitlines()[-1])
+    steps = train_min.parse_config(argv).steps
     if saved.exists() and final_step(saved) >= steps:
         print(f"[study] {name}: finished, skipped", flush=True)
         return
@@ -71,8 +80,7 @@ def run_one(variant: str, seed: int, args, extra: list[str]) -> None:
     argv += ["--resume"] if resume else ["--overwrite"]
     print(f"[study] {name}: {'resuming' if resume else 'starting'}: train_min.py "
           + " ".join(argv), flush=True)
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
-    subprocess.run([sys.executable, "train_min.py", *argv], cwd=ROOT, env=env, check=True)
+    launch(argv)
     saved.mkdir(parents=True, exist_ok=True)
     for f in ("config.json", "metrics.jsonl"):
         shutil.copy2(out / f, saved / f)
@@ -89,12 +97,19 @@ def run(args, extra: list[str]) -> None:
 
 # --- report ---------------------------------------------------------------------------------
 def load(results: Path) -> dict[tuple[str, int], dict]:
-    """(variant, seed) -> metrics rows and {step: per-question outcomes} of a finished run."""
+    """(variant, seed) -> metrics rows, config and {step: {question id: outcome}} of each run (a
+    folder with metrics.jsonl); no runs, or a run without config or evaluations, is a ValueError."""
+    dirs = sorted(p for p in results.iterdir() if (p / "metrics.jsonl").exists()) \
+        if results.is_dir() else []
+    if not dirs:
+        raise ValueError(f"no runs (folders with metrics.jsonl) in {results}")
     runs = {}
-    for d in sorted(p for p in results.iterdir() if (p / "metrics.jsonl").exists()):
+    for d in dirs:
+        files = sorted((d / "eval").glob("step_*.jsonl"))
+        if not files or not (d / "config.json").exists():
+            raise ValueError(f"run {d} lacks config.json or eval/step_*.jsonl")
         cfg = json.loads((d / "config.json").read_text())
-        evals = {int(f.stem.split("_")[1]): {x["index"]: x for x in read_jsonl(f)}
-                 for f in (d / "eval").glob("step_*.jsonl")}
+        evals = {int(f.stem.split("_")[1]): {x["id"]: x for x in read_jsonl(f)} for f in files}
         runs[cfg["variant"], cfg["seed"]] = {"rows": read_jsonl(d / "metrics.jsonl"),
                                              "evals": evals, "cfg": cfg}
     for (variant, seed), r in runs.items():      # step 0: A's evaluation of the same model
@@ -103,16 +118,17 @@ def load(results: Path) -> dict[tuple[str, int], dict]:
     return runs
 
 
-def em(outcomes: dict[int, dict]) -> float:
-    return 100.0 * statistics.mean(x["reward"] > 0 for x in outcomes.values())
+def solved(x: dict) -> bool:
+    """Exact match: the search environment's reward is the normalised exact match, 0 or 1."""
+    return x["reward"] > 0
 
 
-def mean_se(xs: list[float]) -> str:
-    if not xs:
-        return "–"
-    if len(xs) == 1:
-        return f"{xs[0]:+.1f}"
-    return f"{statistics.mean(xs):+.1f} ± {statistics.stdev(xs) / math.sqrt(len(xs)):.1f}"
+def em(outcomes: dict[str, dict]) -> float:
+    return 100.0 * statistics.mean(solved(x) for x in outcomes.values())
+
+
+def final(run: dict) -> dict[str, dict]:
+    return run["evals"][max(run["evals"])]
 
 
 def gains_table(runs) -> str:
@@ -123,42 +139,59 @@ def gains_table(runs) -> str:
         if not cells:
             continue
         start = [em(r["evals"][0]) for _, r in cells]
-        end = [em(r["evals"][max(r["evals"])]) for _, r in cells]
+        end = [em(final(r)) for _, r in cells]
         gain = [b - a for a, b in zip(start, end)]
         lines.append(f"| {LABELS[v]} | {len(cells)} | {statistics.mean(start):.1f} | "
-                     f"{statistics.mean(end):.1f} | {mean_se(gain)} | "
+                     f"{statistics.mean(end):.1f} | {grid.mean_se(gain, scale=1.0)} | "
                      + ", ".join(f"s{s} {g:+.1f}" for (s, _), g in zip(cells, gain)) + " |")
     return "\n".join(lines)
 
 
-def paired_table(runs, ref: str = "mpo") -> tuple[str, dict]:
-    """A − X by seed (final EM) and per question (McNemar, exact), for every X run beside A."""
+def comparisons(runs, ref: str = "mpo") -> list[dict]:
+    """A − X for every X with seeds beside A (final EM, points): the paired t-test by seed with
+    Holm's p over these comparisons, and McNemar's exact test pooled over (seed, question)."""
     from scipy import stats
-    lines = ["| A − X | seeds | mean ± SE (points) | σ_d | paired t p | McNemar pooled: A only / X only, p "
-             "| seeds for 3 pts at 2 SE |", "|---|---|---|---|---|---|---|"]
-    sigma = {}
+    comps = []
     for v in LABELS:
-        if v == ref:
-            continue
         seeds = sorted(s for (vv, s) in runs if vv == v and (ref, s) in runs)
-        if not seeds:
+        if v == ref or not seeds:
             continue
-        d, a_only, x_only = [], 0, 0
-        for s in seeds:
-            a, x = runs[ref, s]["evals"], runs[v, s]["evals"]
-            fa, fx = a[max(a)], x[max(x)]
-            d.append(em(fa) - em(fx))
-            a_only += sum(fa[i]["reward"] > 0 and not fx[i]["reward"] > 0 for i in fa)
-            x_only += sum(fx[i]["reward"] > 0 and not fa[i]["reward"] > 0 for i in fa)
-        sd = statistics.stdev(d) if len(d) > 1 else float("nan")
-        sigma[v] = sd
-        p_t = stats.ttest_rel(d, [0.0] * len(d)).pvalue if len(d) > 1 and sd > 0 else float("nan")
-        p_m = (stats.binomtest(a_only, a_only + x_only, 0.5).pvalue if a_only + x_only
-               else float("nan"))
-        need = math.ceil((2 * sd / 3) ** 2) if math.isfinite(sd) else "–"
-        lines.append(f"| {LABELS[v]} | {len(d)} | {mean_se(d)} | {sd:.1f} | {p_t:.3f} | "
-                     f"{a_only} / {x_only}, p = {p_m:.3f} | {need} |")
-    return "\n".join(lines), sigma
+        a, x = [final(runs[ref, s]) for s in seeds], [final(runs[v, s]) for s in seeds]
+        pairs = [(fa[q], fx[q]) for fa, fx in zip(a, x) for q in fa.keys() & fx.keys()]
+        b = sum(solved(qa) and not solved(qx) for qa, qx in pairs)      # A right, X wrong
+        c = sum(solved(qx) and not solved(qa) for qa, qx in pairs)      # X right, A wrong
+        comps.append({"variant": v, "seeds": seeds, "d": [em(fa) - em(fx) for fa, fx in zip(a, x)],
+                      **grid.paired_t([em(f) for f in a], [em(f) for f in x]), "b": b, "c": c,
+                      "p_mcnemar": stats.binomtest(b, b + c, 0.5).pvalue if b + c else 1.0})
+    tested = [c for c in comps if math.isfinite(c["p"])]
+    for c, p in zip(tested, grid.holm([c["p"] for c in tested])):
+        c["p_holm"] = p
+    return comps
+
+
+def paired_table(comps: list[dict]) -> str:
+    lines = ["| A − X | seeds | mean ± SE (points) | σ_d | paired t p | Holm p "
+             "| McNemar pooled: A only b / X only c, p |", "|---|---|---|---|---|---|---|"]
+    for c in comps:
+        spread = f" ± {c['se']:.1f} | {statistics.stdev(c['d']):.1f}" if c["n"] > 1 else " | –"
+        lines.append(f"| {LABELS[c['variant']]} | {c['n']} | {c['mean']:+.1f}{spread} | "
+                     f"{grid.fmt_p(c['p'])} | {grid.fmt_p(c.get('p_holm'))} | "
+                     f"{c['b']} / {c['c']}, p = {grid.fmt_p(c['p_mcnemar'])} |")
+    return "\n".join(lines)
+
+
+def power(comps: list[dict], x: str = "mpo_token_is") -> str:
+    """The pilot's power line: σ_d of the per-seed A − B differences and the seeds a 3-point
+    difference needs at 2 SE, ⌈(2σ_d / 3)²⌉."""
+    c = next((c for c in comps if c["variant"] == x), None)
+    if c is None or c["n"] < 2:
+        return ("Seeds for a 3-point A − B difference at 2 SE: not estimated "
+                f"({c['n'] if c else 0} paired seeds, σ_d needs at least 2).")
+    sd = statistics.stdev(c["d"])
+    need = math.ceil((2 * sd / 3) ** 2)
+    return (f"Seeds for a 3-point A − B difference at 2 SE: σ_d = {sd:.1f} points over {c['n']} "
+            f"seeds, ⌈(2σ_d / 3)²⌉ = {need}" + (f" (cap {MAX_SEEDS})" if need > MAX_SEEDS else "")
+            + ".")
 
 
 def gates_table(runs) -> str:
@@ -175,7 +208,7 @@ def gates_table(runs) -> str:
             return statistics.mean(xs) if xs else float("nan")
         ev = (f"{avg('critic/explained_variance', rows[:5]):+.2f} → "
               f"{avg('critic/explained_variance', rows[-5:]):+.2f}")
-        ev0, evN = r["evals"].get(0, {}), r["evals"][max(r["evals"])]
+        ev0, evN = r["evals"].get(0, {}), final(r)
         mal = (f"{100 * statistics.mean(x.get('malformed', False) for x in ev0.values()):.0f}% → "
                f"{100 * statistics.mean(x.get('malformed', False) for x in evN.values()):.0f}%"
                if ev0 else "–")
@@ -188,14 +221,13 @@ def gates_table(runs) -> str:
 
 def report(args) -> str:
     runs = load(args.results)
-    if not runs:
-        raise SystemExit(f"no finished runs in {args.results}")
-    paired, _ = paired_table(runs)
+    comps = comparisons(runs)
     text = "\n\n".join([
         f"Runs: {len(runs)} ({', '.join(f'{v}-s{s}' for v, s in sorted(runs))}); "
         "validation: greedy exact match on each seed's 200 questions.",
         "### Gains over the warm-started model\n\n" + gains_table(runs),
-        "### Paired differences from A (final evaluation)\n\n" + paired,
+        "### Paired differences from A (final evaluation)\n\n" + paired_table(comps)
+        + "\n\n" + power(comps),
         "### Mechanism gates\n\n" + gates_table(runs)])
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -218,10 +250,13 @@ def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     args = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
-    if args.cmd == "run":
-        run(args, extra)
-    else:
-        print(report(args))
+    try:                                         # bad results: one line naming the path
+        if args.cmd == "run":
+            run(args, extra)
+        else:
+            print(report(args))
+    except ValueError as e:
+        raise SystemExit(f"smol_study.py: {e}") from None
 
 
 if __name__ == "__main__":

@@ -1,0 +1,165 @@
+"""experiments/smol_study.py on small synthetic results folders with known outcomes: the paired
+table (t-test, Holm, McNemar), the pilot's power line, bad input, and run_one's step count."""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from experiments import smol_study as st
+
+N_Q = 10                                         # questions per seed's validation set
+FINAL = 3                                        # the synthetic runs' last step
+SOLVED = {                                       # (variant, seed) -> solved question numbers
+    ("mpo", 0): {0, 1, 2, 3, 4}, ("mpo", 1): {0, 1, 2, 3, 4, 5}, ("mpo", 2): {0, 1, 2, 3},
+    ("mpo", 3): {0, 1, 2, 3, 4, 5, 6},
+    ("mpo_token_is", 0): {0, 1, 8}, ("mpo_token_is", 1): {0, 1, 2, 3, 9},
+    ("mpo_token_is", 2): {0, 1, 2, 3}, ("mpo_token_is", 3): {0, 1, 2, 8},
+    ("mpo_beta0", 0): {0, 1, 2, 3}, ("mpo_beta0", 1): {0, 1, 2, 3, 4, 5, 6, 7},
+    ("ppo", 0): {0},
+}
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def outcomes(solved: set[int]) -> list[dict]:
+    return [{"index": i, "sample": 0, "id": f"val-{i}", "reward": float(i in solved), "turns": 3,
+             "malformed": False, "answer": "x"} for i in range(N_Q)]
+
+
+def write_run(results: Path, variant: str, seed: int, solved: set[int], final: int = FINAL) -> Path:
+    d = results / f"{variant}-s{seed}"
+    d.mkdir(parents=True)
+    (d / "config.json").write_text(json.dumps({"variant": variant, "seed": seed, "steps": final,
+                                               "critic_warmup_steps": 1}))
+    write_jsonl(d / "metrics.jsonl", [{"step": s, "critic/explained_variance": 0.1 * s,
+                                       "train/turns": 3.0} for s in range(1, final + 1)])
+    if variant == "mpo":                         # only A evaluates before training
+        write_jsonl(d / "eval" / "step_0000.jsonl", outcomes({0, 1}))
+    write_jsonl(d / "eval" / f"step_{final:04d}.jsonl", outcomes(solved))
+    return d
+
+
+@pytest.fixture
+def results(tmp_path) -> Path:
+    for (v, s), solved in SOLVED.items():
+        write_run(tmp_path / "results", v, s, solved)
+    return tmp_path / "results"
+
+
+def t_p_two_sided(t: float, df: int) -> float:
+    """Student t two-sided p in closed form for df 1 (Cauchy) and 3."""
+    t = abs(t)
+    if df == 1:
+        return 1 - 2 / math.pi * math.atan(t)
+    assert df == 3
+    cdf = 0.5 + (t / (math.sqrt(3) * (1 + t * t / 3)) + math.atan(t / math.sqrt(3))) / math.pi
+    return 2 * (1 - cdf)
+
+
+def test_paired_t_holm_and_mcnemar_against_hand_computation(results):
+    comps = {c["variant"]: c for c in st.comparisons(st.load(results))}
+    assert list(comps) == ["mpo_token_is", "mpo_beta0", "ppo"]
+
+    b = comps["mpo_token_is"]                    # A − B by seed: 20, 10, 0, 30 points
+    assert b["seeds"] == [0, 1, 2, 3] and b["d"] == pytest.approx([20, 10, 0, 30])
+    sd = math.sqrt((5 ** 2 + 5 ** 2 + 15 ** 2 + 15 ** 2) / 3)
+    assert b["mean"] == pytest.approx(15.0) and b["se"] == pytest.approx(sd / 2)
+    p_b = t_p_two_sided(15.0 / (sd / 2), 3)
+    assert b["p"] == pytest.approx(p_b, rel=1e-9) and 0.09 < p_b < 0.11
+    # discordant: s0 A-only {2,3,4} B-only {8}; s1 {4,5} / {9}; s2 none; s3 {3,4,5,6} / {8}
+    assert (b["b"], b["c"]) == (9, 3)
+    assert b["p_mcnemar"] == pytest.approx(2 * (1 + 12 + 66 + 220) / 2 ** 12)    # 0.1460
+
+    c = comps["mpo_beta0"]                       # only seeds 0, 1: A − C = 10, −20 points
+    assert c["seeds"] == [0, 1] and c["mean"] == pytest.approx(-5.0)
+    assert c["se"] == pytest.approx(15.0)
+    p_c = t_p_two_sided(-5.0 / 15.0, 1)
+    assert c["p"] == pytest.approx(p_c, rel=1e-9)
+    assert (c["b"], c["c"]) == (1, 2) and c["p_mcnemar"] == pytest.approx(1.0)
+
+    # Holm over the two tested comparisons (PPO has one seed: no test, not in the family)
+    assert comps["ppo"]["n"] == 1 and math.isnan(comps["ppo"]["p"]) and "p_holm" not in comps["ppo"]
+    assert b["p_holm"] == pytest.approx(2 * p_b)
+    assert c["p_holm"] == pytest.approx(max(2 * p_b, p_c)) and c["p_holm"] == pytest.approx(p_c)
+
+
+def test_table_and_report_show_the_numbers(results, tmp_path):
+    comps = st.comparisons(st.load(results))
+    table = st.paired_table(comps)
+    row_b = next(x for x in table.splitlines() if x.startswith("| B: MPO w/ token IS"))
+    p_b = comps[0]["p"]
+    assert row_b == (f"| B: MPO w/ token IS | 4 | +15.0 ± 6.5 | 12.9 | {p_b:.3f} | "
+                     f"{2 * p_b:.3f} | 9 / 3, p = 0.146 |")
+    assert "| PPO | 1 | +40.0 | – | – | – | 4 / 0, p = 0.125 |" in table
+    text = st.report(argparse.Namespace(results=results, out=tmp_path / "t.md"))
+    assert row_b in text and (tmp_path / "t.md").read_text() == text + "\n"
+    assert "| A: MPO | 4 | 20.0 | 55.0 | 35.0 ± 6.5 |" in text      # gains: 20 % at step 0
+
+
+def test_power_sigma_d_and_seeds_needed(results):
+    comps = st.comparisons(st.load(results))
+    sd = math.sqrt(500 / 3)                      # σ_d of 20, 10, 0, 30
+    need = math.ceil((2 * sd / 3) ** 2)
+    assert need == 75
+    assert st.power(comps) == (f"Seeds for a 3-point A − B difference at 2 SE: σ_d = {sd:.1f} "
+                               f"points over 4 seeds, ⌈(2σ_d / 3)²⌉ = 75 (cap 8).")
+    one = st.power([{"variant": "mpo_token_is", "n": 3, "d": [0.0, 3.0, 6.0]}])    # σ_d 3
+    assert one.endswith("σ_d = 3.0 points over 3 seeds, ⌈(2σ_d / 3)²⌉ = 4.")
+    assert "not estimated (1 paired seeds" in st.power([{"variant": "mpo_token_is", "n": 1,
+                                                          "d": [5.0]}])
+    assert "not estimated (0 paired seeds" in st.power([])
+
+
+def test_bad_results_folder_is_a_one_line_error(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no runs .* in .*empty"):
+        st.load(tmp_path / "empty")
+    with pytest.raises(ValueError, match="no runs"):
+        st.load(tmp_path / "missing")
+    d = write_run(tmp_path / "res", "mpo", 0, {0})
+    for f in (d / "eval").iterdir():
+        f.unlink()
+    with pytest.raises(ValueError, match=f"run {d} lacks"):
+        st.load(tmp_path / "res")
+    with pytest.raises(SystemExit, match=f"smol_study.py: no runs .* in {tmp_path / 'empty'}$"):
+        st.main(["report", "--results", str(tmp_path / "empty"), "--out", str(tmp_path / "o.md")])
+
+
+def test_run_one_reads_steps_from_parse_config_and_launches_train_min(tmp_path, monkeypatch):
+    def no_subprocess(*a, **k):
+        raise AssertionError(f"subprocess.run called: {a}")
+    launched = []
+
+    def fake_launch(argv):                       # what train_min would leave in its run folder
+        launched.append(argv)
+        out = Path(argv[argv.index("--out_dir") + 1])
+        (out / "config.json").parent.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text("{}")
+        write_jsonl(out / "metrics.jsonl", [{"step": 6}])
+        write_jsonl(out / "eval" / "step_0006.jsonl", outcomes({0}))
+    monkeypatch.setattr(subprocess, "run", no_subprocess)
+    monkeypatch.setattr(st, "launch", fake_launch)
+    args = argparse.Namespace(runs=tmp_path / "runs", results=tmp_path / "results")
+    write_run(args.results, "mpo_token_is", 0, {0}, final=5)         # finished at step 5
+
+    st.run_one("mpo_token_is", 0, args, ["--steps", "5"])            # 5 steps asked: done
+    assert launched == []
+    st.run_one("mpo_token_is", 0, args, [])                          # the preset's 24: not done
+    st.run_one("mpo_token_is", 1, args, ["--steps", "6"])
+    out = args.runs / "mpo_token_is-s1"
+    assert launched[1] == ["--preset", "smol_hops", "--variant", "mpo_token_is", "--seed", "1",
+                           "--out_dir", str(out), "--steps", "6", "--eval_first", "false",
+                           "--overwrite"]
+    assert st.final_step(args.results / "mpo_token_is-s1") == 6
+    assert (args.results / "mpo_token_is-s1" / "eval" / "step_0006.jsonl").exists()
+    (args.runs / "mpo-s1" / "checkpoints" / "latest").mkdir(parents=True)   # a checkpoint: resume
+    st.run_one("mpo", 1, args, ["--steps", "7"])
+    assert launched[2][-1] == "--resume" and "--eval_first" not in launched[2]
