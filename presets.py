@@ -9,7 +9,8 @@ credit-assignment testbed of experiments/testbed_env.py, SmolLM2's conversion an
 A preset is one entry of PRESETS. train_min.parse_config applies its `overrides` (unless the flag is
 given) and parses its `options` as extra flags; train_min.main builds the task with `make_suite`,
 then the model with `prepare_model`. To add one: write its functions here and add one `Preset(...)`
-to PRESETS. This module imports train_min only inside functions (train_min imports it at the top).
+to PRESETS. This module does not import train_min (train_min imports it): a preparation that
+trains (a warm start) is handed train_min.supervised_warm_start as its `fit` argument.
 """
 from __future__ import annotations
 
@@ -24,13 +25,18 @@ from typing import Callable
 
 import torch
 
+import search_env
+from run_utils import TINY_MARKER
+from search_env import Suite, search_suite
+
 
 @dataclass
 class Preset:
     """One `--preset NAME` of train_min.py."""
     overrides: dict = field(default_factory=dict)  # Config values, unless given on the command line
-    prepare_model: Callable | None = None  # (cfg, suite) -> str: build/cache a model, the cfg.model
-    make_suite: Callable | None = None     # (cfg) -> Suite: the task (None: train_min.search_suite)
+    prepare_model: Callable | None = None  # (cfg, suite, fit) -> str: build/cache a model, the
+    #                                        cfg.model; fit: train_min.supervised_warm_start
+    make_suite: Callable | None = None     # (cfg) -> Suite: the task (None: search_suite)
     options: type | None = None            # dataclass of the preset's own flags: cfg.preset_options
 
 
@@ -45,60 +51,6 @@ CHAT_TEMPLATE = (  # Qwen's ChatML layout, for the tiny offline tokenizer
 # The tiny model's shape and warm start; part of its cache key.
 TINY_BUILD = {"hidden": 64, "layers": 2, "vocab": 1024, "warm_steps": 150, "batch": 12, "lr": 3e-3,
               "marker": 1}
-TINY_MARKER = "mpo_tiny_model.json"   # in a built tiny model's folder: load its tokenizer as saved
-
-
-def supervised_warm_start(model, tok, episodes: list[list[dict]], steps: int, seed: int,
-                          batch_size: int = TINY_BUILD["batch"],
-                          lr: float = TINY_BUILD["lr"], desc: str = "tiny warm start") -> None:
-    """Next-token training on the assistant tokens of chat episodes, laid out exactly as a rollout
-    lays them out (prompt, turn, observation, turn, ...).
-
-    When `model` is a PEFT model adapting only its top layers (`layers_to_transform`), the frozen
-    layers below run once over all episodes (train_min.frozen_states) and each step runs only the
-    adapted layers: the same loss and gradients, several times faster on a CPU."""
-    from tqdm import tqdm
-
-    from train_min import frozen_states, hidden_states, observation_ids, render_ids
-    rows = []                           # (token ids, 1 on assistant tokens) per episode
-    for msgs in episodes:
-        ids = render_ids(tok, msgs[:2], enable_thinking=False)
-        mask = [0] * len(ids)
-        for i in range(2, len(msgs), 2):
-            turn = tok(msgs[i]["content"], add_special_tokens=False).input_ids + [tok.eos_token_id]
-            ids, mask = ids + turn, mask + [1] * len(turn)
-            if i + 1 < len(msgs):
-                obs = observation_ids(tok, msgs[:i + 1], msgs[i + 1]["content"], turn[-1],
-                                      enable_thinking=False)
-                ids, mask = ids + obs, mask + [0] * len(obs)
-        rows.append((ids, mask))
-    width = max(len(ids) for ids, _ in rows)     # right-padded, as collate pads a rollout batch
-    ids = torch.tensor([r + [tok.pad_token_id] * (width - len(r)) for r, _ in rows])  # (N, W)
-    labels = torch.tensor([[t if m else -100 for t, m in zip(*row)] + [-100] * (width - len(row[0]))
-                           for row in rows])                                        # (N, W)
-    attn = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r, _ in rows])   # (N, W)
-    frozen = None
-    if hasattr(model, "peft_config"):
-        chunks = [frozen_states(model, ids[s:s + 16], attn[s:s + 16])
-                  for s in range(0, len(ids), 16)]
-        frozen = torch.cat(chunks) if chunks[0] is not None else None               # (N, W, H)
-    g = torch.Generator().manual_seed(seed)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
-    model.train()
-    for _ in tqdm(range(steps), desc=desc, leave=False):
-        pick = torch.randint(len(rows), (batch_size,), generator=g)
-        T = max(len(rows[i][0]) for i in pick.tolist())            # trim the batch's padding
-        b_ids, b_attn, b_labels = ids[pick, :T], attn[pick, :T], labels[pick, :T]
-        if frozen is None:
-            loss = model(input_ids=b_ids, attention_mask=b_attn, labels=b_labels).loss
-        else:                           # the adapted layers only, from the cached frozen ones
-            h = hidden_states(model, b_ids, b_attn, frozen[pick, :T])              # (b, T, H)
-            target = b_labels[:, 1:]
-            logits = model.get_output_embeddings()(h[:, :-1][target != -100])      # (n, V)
-            loss = torch.nn.functional.cross_entropy(logits.float(), target[target != -100])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
 
 
 def bpe_tokenizer(corpus: list[str]):
@@ -120,13 +72,13 @@ def bpe_tokenizer(corpus: list[str]):
 
 def build_tiny_model(path: Path, corpus: list[str], seed: int = 0,
                      warm_start: list[list[dict]] = (), warm_steps: int = TINY_BUILD["warm_steps"],
-                     tokenizer=None) -> str:
+                     tokenizer=None, fit: Callable | None = None) -> str:
     """A tiny random Qwen2 (hidden 64, 2 layers) and a byte-level BPE tokenizer trained on `corpus`,
     saved to `path` so the tiny preset loads through exactly the code path of a hub model.
 
     `warm_start`: chat episodes (e.g. scripted oracle episodes on the *training* knowledge base) to
-    fit for `warm_steps` steps first, so the tiny policy writes the <search>/<answer> protocol and
-    its rollouts have several turns; a random model only writes malformed one-turn episodes.
+    `fit` (train_min.supervised_warm_start) for `warm_steps` steps first, so the tiny policy
+    writes the <search>/<answer> protocol and its rollouts have several turns; a random model only writes malformed one-turn episodes.
     `tokenizer`: use this tokenizer (with its chat template) instead of training a BPE on `corpus`
     (the testbed's word-level one); the model's vocabulary is len(tokenizer) either way."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -144,7 +96,11 @@ def build_tiny_model(path: Path, corpus: list[str], seed: int = 0,
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config)
         if warm_start:
-            supervised_warm_start(model, tok, warm_start, warm_steps, seed)
+            if fit is None:
+                raise ValueError("build_tiny_model: a warm start needs fit "
+                                 "(train_min.supervised_warm_start)")
+            fit(model, tok, warm_start, warm_steps, seed, TINY_BUILD["batch"], TINY_BUILD["lr"],
+                desc="tiny warm start")
     return save_atomically(model, tok, path, (TINY_MARKER, TINY_BUILD))
 
 
@@ -168,7 +124,7 @@ def save_atomically(model, tok, path: Path, marker: tuple[str, dict] | None = No
     return str(path)
 
 
-def prepare_tiny_model(cfg, suite) -> str:
+def prepare_tiny_model(cfg, suite, fit: Callable) -> str:
     """`--model tiny`: the tiny model for this suite, built once per content in $MPO_CACHE
     (default ~/.cache/mpo); any other --model (a path) is used as given."""
     if cfg.model != "tiny":
@@ -179,7 +135,7 @@ def prepare_tiny_model(cfg, suite) -> str:
     cache = model_cache()
     return build_tiny_model(cache / f"tiny-qwen2-{key}", suite.corpus, seed=cfg.seed,
                             warm_start=episodes,
-                            tokenizer=suite.tokenizer() if suite.tokenizer else None)
+                            tokenizer=suite.tokenizer() if suite.tokenizer else None, fit=fit)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -198,8 +154,7 @@ SMALL_KB = dict(n_people=24, n_organisations=8, n_cities=6, n_regions=3)   # sea
 
 def small_search_suite(cfg):
     """The search agent of §10 on a small knowledge base (a small tokenizer corpus)."""
-    import train_min
-    return train_min.search_suite(cfg, kb_sizes=SMALL_KB)
+    return search_suite(cfg, kb_sizes=SMALL_KB)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -275,9 +230,10 @@ def convert_smol(path: Path) -> str:
 
 
 def warm_start_smol(base: str, path: Path, episodes: list[list[dict]], seed: int,
-                    steps: int, warm: dict = SMOL_WARM) -> str:
-    """SmolLM2 after `steps` of the supervised warm start `warm` (SMOL_WARM's batch, lr, LoRA
-    layers and rank) on `episodes`, saved at `path` (once)."""
+                    steps: int, fit: Callable, warm: dict = SMOL_WARM) -> str:
+    """SmolLM2 after `steps` of the supervised warm start `fit` (train_min.supervised_warm_start)
+    with `warm` (SMOL_WARM's batch, lr, LoRA layers and rank) on `episodes`, saved at `path`
+    (once)."""
     if steps == 0:
         return base
     if (path / "config.json").exists():
@@ -285,7 +241,7 @@ def warm_start_smol(base: str, path: Path, episodes: list[list[dict]], seed: int
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from train_min import LORA_TARGETS
+    from run_utils import LORA_TARGETS
     tok = AutoTokenizer.from_pretrained(base)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     n = model.config.num_hidden_layers
@@ -295,12 +251,11 @@ def warm_start_smol(base: str, path: Path, episodes: list[list[dict]], seed: int
     model = get_peft_model(model, lora)
     with torch.random.fork_rng():       # building the cache must not change the caller's stream
         torch.manual_seed(seed)
-        supervised_warm_start(model, tok, episodes, steps, seed,
-                              warm["batch"], warm["lr"], desc="smol warm start")
+        fit(model, tok, episodes, steps, seed, warm["batch"], warm["lr"], desc="smol warm start")
     return save_atomically(model.merge_and_unload(), tok, path)
 
 
-def prepare_smol_model(cfg, suite, warm: dict = SMOL_WARM) -> str:
+def prepare_smol_model(cfg, suite, fit: Callable, warm: dict = SMOL_WARM) -> str:
     """`--model smol`: SmolLM2-135M-Instruct converted from the wheel's GGUF, then warm-started
     (`warm`) on this seed's scripted training episodes; both cached in $MPO_CACHE.
     Any other --model is used as given."""
@@ -316,28 +271,23 @@ def prepare_smol_model(cfg, suite, warm: dict = SMOL_WARM) -> str:
     content = json.dumps([episodes, seed, {**warm, "steps": steps}])
     key = hashlib.sha1(content.encode()).hexdigest()[:12]
     return warm_start_smol(base, model_cache() / f"smollm2-135m-warm-{key}", episodes, seed,
-                           steps, warm)
+                           steps, fit, warm)
 
 
-def prepare_smol_hops_model(cfg, suite) -> str:
+def prepare_smol_hops_model(cfg, suite, fit: Callable) -> str:
     """prepare_smol_model with the multi-hop warm start (SMOL_HOPS_WARM)."""
-    return prepare_smol_model(cfg, suite, SMOL_HOPS_WARM)
+    return prepare_smol_model(cfg, suite, fit, SMOL_HOPS_WARM)
 
 
 def smol_suite(cfg):
     """The search agent of §10 (default knowledge base) under the short system prompt."""
-    import search_env
-    import train_min
-    return train_min.search_suite(cfg, system_prompt=search_env.SHORT_SYSTEM_PROMPT)
+    return search_suite(cfg, system_prompt=search_env.SHORT_SYSTEM_PROMPT)
 
 
 def smol_hops_suite(cfg):
     """The search agent on 2-3-hop questions, one reasoning line before each action (the warm
     start's episodes show it: search_env.reading_oracle(explain=True))."""
-    import search_env
-    import train_min
-    return train_min.search_suite(cfg, system_prompt=search_env.REASONING_SYSTEM_PROMPT,
-                                  explain=True)
+    return search_suite(cfg, system_prompt=search_env.REASONING_SYSTEM_PROMPT, explain=True)
 
 
 # One-hop questions, one document per search, LoRA on the top 8 of 30 layers (the 22 below run
@@ -418,7 +368,6 @@ def testbed_suite(cfg):
     """experiments/testbed_env.py's tasks; sets the turn budget the task fixes: K turns of L
     tokens (K*L one-token turns when streaming)."""
     from experiments import testbed_env
-    from train_min import Suite
     o = TestbedOptions(**cfg.preset_options)
     cfg.max_turns, cfg.max_new_tokens = testbed_env.turn_budget(
         o.testbed_turns, o.testbed_turn_len, o.testbed_streaming)
@@ -481,9 +430,10 @@ def build_shape_model(config_file: Path, path: Path, corpus: list[str], device: 
     return saved
 
 
-def prepare_shape_model(cfg, suite) -> str:
+def prepare_shape_model(cfg, suite, fit: Callable | None = None) -> str:
     """`--model FILE.json` (a shape file; the shape presets' default): its model with random
-    weights, built once per content in $MPO_CACHE; any other --model is used as given."""
+    weights (no warm start: `fit` unused), built once per content in $MPO_CACHE; any other
+    --model is used as given."""
     if not cfg.model.endswith(".json"):
         return cfg.model
     config_file = Path(cfg.model)
@@ -516,8 +466,7 @@ class LongestEpisode:
 
 def shape_suite(cfg):
     """The search agent of §10 (the default run's data) with episodes to the turn limit."""
-    import train_min
-    suite = train_min.search_suite(cfg)
+    suite = search_suite(cfg)
     make_env = suite.make_env
     suite.make_env = lambda task: LongestEpisode(make_env(task))
     suite.warm_start = None             # random weights: no warm start

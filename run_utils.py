@@ -26,6 +26,10 @@ import numpy as np
 import torch
 
 
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+TINY_MARKER = "mpo_tiny_model.json"   # in a built tiny model's folder: load its tokenizer as saved
+
+
 class ConfigError(ValueError):
     """A bad flag, flag combination or run folder: train_min prints its message as one line."""
 
@@ -36,14 +40,14 @@ def given_flags(argv: list[str]) -> set[str]:
     return {a.lstrip("-").split("=")[0].replace("-", "_") for a in argv if a.startswith("--")}
 
 
-def parse_with_presets(config_cls, argv=None):
+def parse_with_presets(config_cls, presets: dict, argv=None):
     """config_cls from the command line (default sys.argv), then the chosen preset's overrides
-    (presets.py) except for flags given; every preset's own flags parse, only the chosen one's
-    apply (into cfg.preset_options), and another preset's flag is an error naming its preset."""
+    (presets: name -> presets.Preset, presets.PRESETS) except for flags given; every preset's own
+    flags parse, only the chosen one's apply (into cfg.preset_options), and another preset's flag
+    is an error naming its preset."""
     from transformers import HfArgumentParser
-    import presets
     argv = sys.argv[1:] if argv is None else argv
-    option_types = list(dict.fromkeys(p.options for p in presets.PRESETS.values() if p.options))
+    option_types = list(dict.fromkeys(p.options for p in presets.values() if p.options))
     parser = HfArgumentParser([config_cls, *option_types], allow_abbrev=False)  # --step != --steps
     cfg, *options, unknown = parser.parse_args_into_dataclasses(args=argv,
                                                                return_remaining_strings=True)
@@ -62,12 +66,12 @@ def parse_with_presets(config_cls, argv=None):
               "the default run needs a 24 GB GPU (--preset default --device cpu forces it here).",
               file=sys.stderr)
         cfg.preset = "smol"
-    preset = presets.PRESETS[cfg.preset]
+    preset = presets[cfg.preset]
     for opts in options:
         if type(opts) is preset.options:
             cfg.preset_options = asdict(opts)
         elif misplaced := sorted(given & {f.name for f in fields(opts)}):
-            owners = [n for n, p in presets.PRESETS.items() if p.options is type(opts)]
+            owners = [n for n, p in presets.items() if p.options is type(opts)]
             raise ConfigError(f"--{misplaced[0]} needs --preset {' or '.join(owners)}")
     for k, v in preset.overrides.items():
         if k not in given:
@@ -202,8 +206,7 @@ def load_tokenizer(path: str):
     model built by presets.py loads its tokenizer exactly as saved: transformers maps any qwen2
     checkpoint to Qwen2Tokenizer, whose pre-tokenisation differs from the one it was built with."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
-    import presets
-    as_saved = (Path(path) / presets.TINY_MARKER).exists()
+    as_saved = (Path(path) / TINY_MARKER).exists()
     tok = (PreTrainedTokenizerFast if as_saved else AutoTokenizer).from_pretrained(
         path, padding_side="left")
     if tok.pad_token is None:

@@ -18,7 +18,8 @@ gives one that runs anywhere:
 5. a HotpotQA loader (``load_hotpotqa``) that builds the same kind of ``Split`` from real data;
 6. scripted agents (``oracle_policy``, ``reading_oracle``, ``random_query_policy``) for tests.
 7. a trainer's task in four calls (``make_splits``, ``env_factory``, ``scripted_episodes``,
-   ``tokenizer_corpus``): the splits, an environment per question, warm-start episodes.
+   ``tokenizer_corpus``): the splits, an environment per question, warm-start episodes; or in
+   one, ``search_suite``: the ``Suite`` train_min.py runs (its presets bring their own).
 
 The environment interface
 -------------------------
@@ -763,3 +764,32 @@ def tokenizer_corpus(splits: Sequence[Split], system_prompt: str = SYSTEM_PROMPT
     prompt, all questions (in that order)."""
     return ([doc for split in splits for doc in split.docs] + [system_prompt]
             + [q.question for split in splits for q in split.questions])
+
+
+@dataclass
+class Suite:
+    """What train_min's loop needs from a task family (a preset brings its own): make_env(task)
+    returns an Environment (reset, step). Tasks are grouped by identity for GRPO and pass@k."""
+    train: list                          # training tasks
+    val: list                            # validation tasks
+    make_env: Callable                   # task -> Environment
+    stop_strings: tuple[str, ...] = ()   # a turn ends at one of these (or at end-of-turn / budget)
+    corpus: list[str] = field(default_factory=list)   # text for a built model's tokenizer
+    warm_start: Callable | None = None   # () -> chat episodes for a built model's warm start
+    tokenizer: Callable | None = None    # () -> a built model's tokenizer (default: BPE on corpus)
+
+
+def search_suite(cfg, kb_sizes: dict | None = None, system_prompt: str = SYSTEM_PROMPT,
+                 explain: bool = False) -> Suite:
+    """The search agent of §10 for train_min's Config `cfg`: synthetic multi-hop questions
+    (knowledge base sizes `kb_sizes`, default this file's; with warm-start episodes, `explain`:
+    with a reasoning line per turn) or HotpotQA, under `system_prompt`."""
+    if cfg.dataset not in ("synthetic", "hotpotqa"):
+        raise ValueError(f"--dataset {cfg.dataset} is a preset's task: use --preset {cfg.dataset}")
+    train, val = make_splits(cfg.dataset, cfg.n_train, cfg.n_val, cfg.min_hops, cfg.max_hops,
+                             cfg.seed, cfg.hotpotqa_path, kb_sizes)
+    make_env = env_factory((train, val), cfg.top_k, cfg.max_turns, system_prompt)
+    warm_start = None if train.kb is None else lambda: scripted_episodes(
+        train, make_env, 100, cfg.min_hops, cfg.max_hops, seed=cfg.seed, explain=explain)
+    return Suite(train.questions, val.questions, make_env, ("</search>", "</answer>"),
+                 tokenizer_corpus((train, val), system_prompt), warm_start)

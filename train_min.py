@@ -41,13 +41,13 @@ from torch.utils.checkpoint import checkpoint
 import mpo
 import presets
 import search_env
-from run_utils import (ConfigError, MetricsLog, StopFlag, check_out_dir, compute_dtype,
-                       cpu_4bit_workaround, episode_stats, eval_config, eval_only, load_tokenizer,
-                       log_line, parse_with_presets, resume, save_checkpoint, seed_everything,
-                       questions_at, setup_device, start_step, step_metrics)
+from search_env import Suite, search_suite
+from run_utils import (LORA_TARGETS, ConfigError, MetricsLog, StopFlag, check_out_dir,
+                       compute_dtype, cpu_4bit_workaround, episode_stats, eval_config, eval_only,
+                       load_tokenizer, log_line, parse_with_presets, questions_at, resume,
+                       save_checkpoint, seed_everything, setup_device, start_step, step_metrics)
 
 VARIANTS = ("mpo", "mpo_token_is", "mpo_beta0", "ppo", "grpo", "gspo", "vapo")
-LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 # --- Config ------------------------------------------------------------------------------------
@@ -157,7 +157,7 @@ def parse_config(argv=None) -> Config:
     """Config from argv (default sys.argv) with the preset's overrides and its own flags; a bad
     value raises ConfigError (a ValueError) naming the flag."""
     try:
-        return parse_with_presets(Config, argv)
+        return parse_with_presets(Config, presets.PRESETS, argv)
     except ConfigError:
         raise
     except ValueError as e:
@@ -320,36 +320,7 @@ def token_values(model, value_head, ids, attn, frozen=None):
     return nn.functional.pad(v[:, :-1], (1, 0))                                # (B, T)
 
 
-# --- Environment -------------------------------------------------------------------------------
-@dataclass
-class Suite:
-    """What the loop needs from a task family (a preset brings its own): make_env(task) returns a
-    search_env.Environment (reset, step). Tasks are grouped by identity for GRPO and pass@k."""
-    train: list                          # training tasks
-    val: list                            # validation tasks
-    make_env: Callable                   # task -> Environment
-    stop_strings: tuple[str, ...] = ()   # a turn ends at one of these (or at end-of-turn / budget)
-    corpus: list[str] = field(default_factory=list)   # text for a built model's tokenizer
-    warm_start: Callable | None = None   # () -> chat episodes for a built model's warm start
-    tokenizer: Callable | None = None    # () -> a built model's tokenizer (default: BPE on corpus)
-
-
-def search_suite(cfg: Config, kb_sizes: dict | None = None,
-                 system_prompt: str = search_env.SYSTEM_PROMPT, explain: bool = False) -> Suite:
-    """The search agent of §10: synthetic multi-hop questions (knowledge base sizes `kb_sizes`,
-    default search_env's; with warm-start episodes, `explain`: with a reasoning line per turn)
-    or HotpotQA, under `system_prompt`."""
-    if cfg.dataset not in ("synthetic", "hotpotqa"):
-        raise ValueError(f"--dataset {cfg.dataset} is a preset's task: use --preset {cfg.dataset}")
-    train, val = search_env.make_splits(cfg.dataset, cfg.n_train, cfg.n_val, cfg.min_hops,
-                                        cfg.max_hops, cfg.seed, cfg.hotpotqa_path, kb_sizes)
-    make_env = search_env.env_factory((train, val), cfg.top_k, cfg.max_turns, system_prompt)
-    warm_start = None if train.kb is None else lambda: search_env.scripted_episodes(
-        train, make_env, 100, cfg.min_hops, cfg.max_hops, seed=cfg.seed, explain=explain)
-    return Suite(train.questions, val.questions, make_env, ("</search>", "</answer>"),
-                 search_env.tokenizer_corpus((train, val), system_prompt), warm_start)
-
-
+# --- Environment (search_env.py: the search task, its Suite; presets.py: the others) ---------
 def make_suite(cfg: Config) -> Suite:
     """The task of cfg.preset (presets.py), by default the search agent of §10."""
     return (presets.PRESETS[cfg.preset].make_suite or search_suite)(cfg)
@@ -687,6 +658,58 @@ def write_outcomes(trajs: list[Trajectory], tasks: list, n: int, path: Path) -> 
     tmp.replace(path)
 
 
+# --- Warm start: supervised next-token training, for the CPU presets' models (presets.py) ------
+def supervised_warm_start(model, tok, episodes: list[list[dict]], steps: int, seed: int,
+                          batch_size: int, lr: float, desc: str = "warm start") -> None:
+    """Next-token training on the assistant tokens of chat episodes, laid out exactly as a rollout
+    lays them out (prompt, turn, observation, turn, ...).
+
+    When `model` is a PEFT model adapting only its top layers (`layers_to_transform`), the frozen
+    layers below run once over all episodes (frozen_states) and each step runs only the adapted
+    layers: the same loss and gradients, several times faster on a CPU. The CPU presets' model
+    preparations (presets.py) call it as their `fit`."""
+    from tqdm import tqdm
+    rows = []                           # (token ids, 1 on assistant tokens) per episode
+    for msgs in episodes:
+        ids = render_ids(tok, msgs[:2], enable_thinking=False)
+        mask = [0] * len(ids)
+        for i in range(2, len(msgs), 2):
+            turn = tok(msgs[i]["content"], add_special_tokens=False).input_ids + [tok.eos_token_id]
+            ids, mask = ids + turn, mask + [1] * len(turn)
+            if i + 1 < len(msgs):
+                obs = observation_ids(tok, msgs[:i + 1], msgs[i + 1]["content"], turn[-1],
+                                      enable_thinking=False)
+                ids, mask = ids + obs, mask + [0] * len(obs)
+        rows.append((ids, mask))
+    width = max(len(ids) for ids, _ in rows)     # right-padded, as collate pads a rollout batch
+    ids = torch.tensor([r + [tok.pad_token_id] * (width - len(r)) for r, _ in rows])  # (N, W)
+    labels = torch.tensor([[t if m else -100 for t, m in zip(*row)] + [-100] * (width - len(row[0]))
+                           for row in rows])                                        # (N, W)
+    attn = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r, _ in rows])   # (N, W)
+    frozen = None
+    if hasattr(model, "peft_config"):
+        chunks = [frozen_states(model, ids[s:s + 16], attn[s:s + 16])
+                  for s in range(0, len(ids), 16)]
+        frozen = torch.cat(chunks) if chunks[0] is not None else None               # (N, W, H)
+    g = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+    model.train()
+    for _ in tqdm(range(steps), desc=desc, leave=False):
+        pick = torch.randint(len(rows), (batch_size,), generator=g)
+        T = max(len(rows[i][0]) for i in pick.tolist())            # trim the batch's padding
+        b_ids, b_attn, b_labels = ids[pick, :T], attn[pick, :T], labels[pick, :T]
+        if frozen is None:
+            loss = model(input_ids=b_ids, attention_mask=b_attn, labels=b_labels).loss
+        else:                           # the adapted layers only, from the cached frozen ones
+            h = hidden_states(model, b_ids, b_attn, frozen[pick, :T])              # (b, T, H)
+            target = b_labels[:, 1:]
+            logits = model.get_output_embeddings()(h[:, :-1][target != -100])      # (n, V)
+            loss = torch.nn.functional.cross_entropy(logits.float(), target[target != -100])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
 # --- Main: one iteration = rollout, advantages, update, evaluation / log / checkpoint ---------
 def main(argv=None) -> dict:
     try:                                # a bad flag or run folder: one line naming it, no traceback
@@ -707,7 +730,7 @@ def train(argv: list[str]) -> dict:
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if prepare := presets.PRESETS[cfg.preset].prepare_model:    # e.g. tiny builds its model folder
-        cfg.model = prepare(cfg, suite)
+        cfg.model = prepare(cfg, suite, supervised_warm_start)
     tok, model, value_head = load_model(cfg, device)
     opt = make_optimizer(model, value_head, cfg)
     if cfg.eval_only:

@@ -217,7 +217,7 @@ def test_missing_smol_package_names_the_install_command(monkeypatch):
 
 
 def test_warm_start_through_frozen_layers_equals_the_full_forward(tiny_llama, suite, monkeypatch):
-    """presets.supervised_warm_start caches the frozen layers' output for a top-layers LoRA: the
+    """train_min.supervised_warm_start caches the frozen layers' output for a top-layers LoRA: the
     adapter it trains must be the one the plain full-forward loss trains."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -233,7 +233,8 @@ def test_warm_start_through_frozen_layers_equals_the_full_forward(tiny_llama, su
                                                 layers_to_transform=[2], init_lora_weights=False))
         if not fast:                     # the plain path: model(input_ids, labels).loss
             monkeypatch.setattr(train_min, "frozen_states", lambda *a: None)
-        presets.supervised_warm_start(model, tok, episodes, steps=3, seed=0, batch_size=2, lr=1e-2)
+        train_min.supervised_warm_start(model, tok, episodes, steps=3, seed=0, batch_size=2,
+                                        lr=1e-2)
         trained.append({n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n})
     moved = max((trained[0][n] - p).abs().max().item() for n, p in trained[1].items())
     assert moved < 1e-4

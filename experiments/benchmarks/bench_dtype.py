@@ -51,7 +51,8 @@ def load(dtype: str, argv: list[str]):
                                   f"/tmp/bench-dtype-{dtype}", *argv])
     seed_everything(cfg.seed)
     suite = train_min.make_suite(cfg)
-    cfg.model = train_min.presets.PRESETS["smol"].prepare_model(cfg, suite)
+    cfg.model = train_min.presets.PRESETS["smol"].prepare_model(
+        cfg, suite, train_min.supervised_warm_start)
     tok, model, value_head = train_min.load_model(cfg, torch.device("cpu"))
     return cfg, suite, tok, model, value_head, train_min.make_optimizer(model, value_head, cfg)
 

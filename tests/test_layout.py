@@ -1,0 +1,35 @@
+"""The root files import each other without a circle (issue 26): mpo.py and search_env.py need
+none of the others, run_utils.py neither, presets.py only those, train_min.py all of them. Every
+import counts, a function's own included."""
+import ast
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+FILES = ("mpo", "search_env", "run_utils", "presets", "train_min")
+
+
+def imports_of(name: str) -> set[str]:
+    """The root modules that FILES[name].py imports anywhere in its body."""
+    found = set()
+    for node in ast.walk(ast.parse((ROOT / f"{name}.py").read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module.split(".")[0])
+    return found & set(FILES) - {name}
+
+
+def test_root_files_import_in_one_direction_only():
+    graph = {name: imports_of(name) for name in FILES}
+    assert graph == {"mpo": set(), "search_env": set(), "run_utils": set(),
+                     "presets": {"search_env", "run_utils"},
+                     "train_min": {"mpo", "search_env", "run_utils", "presets"}}
+    order = {name: i for i, name in enumerate(FILES)}           # a topological order: no cycle
+    assert all(order[dep] < order[name] for name, deps in graph.items() for dep in deps)
+
+
+def test_the_layout_check_sees_imports_inside_functions(tmp_path, monkeypatch):
+    (tmp_path / "presets.py").write_text("def f():\n    import train_min\n    from mpo import x\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert imports_of("presets") == {"train_min", "mpo"}
