@@ -78,6 +78,14 @@ def _turn_starts(turn_ids: torch.Tensor) -> torch.Tensor:
     return (turn_ids >= 0) & (turn_ids != F.pad(turn_ids[:, :-1], (1, 0), value=-1))
 
 
+def _spread(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The sample standard deviation of x[mask] (0 for fewer than 2), with no host sync."""
+    n = torch.count_nonzero(mask).to(x.dtype)
+    mean = torch.where(mask, x, 0).sum() / n.clamp(min=1)
+    var = torch.where(mask, (x - mean) ** 2, 0).sum() / (n - 1).clamp(min=1)
+    return torch.where(n > 1, var.sqrt(), 0)
+
+
 def _check_turn_ids(turn_ids) -> int:
     """Check the turn layout (contiguous turns numbered 0, 1, ... per row); return K (0 if none)."""
     _check_tensor("turn_ids", turn_ids)
@@ -526,7 +534,8 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     Args: logp, old_logp, advantages (B, T); turn_ids (B, T) int64; clip_eps ε (0.2; `GSPO_CLIP`
     for "sequence"); clip_eps_high ε_high (DAPO, default ε); dual_clip c > 1 caps a term with
     A < 0 at c·|A| (Ye et al., 2020); num_tokens N (the whole batch's, for micro-batches).
-    Returns: loss (0-dim), stats (clip_frac, turn_clip_frac, approx_kl, ratio_mean, ratio_max).
+    Returns: loss (0-dim), stats (clip_frac, turn_clip_frac, approx_kl, ratio_mean, ratio_max,
+    turn_log_ratio_std: the spread of log ρ_t over turns, 0 where A and B get one gradient).
     """
     if ratio_level not in RATIO_LEVELS:
         raise ValueError(f"ratio_level must be one of {RATIO_LEVELS}, got {ratio_level!r}")
@@ -566,7 +575,8 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
                                     / torch.count_nonzero(first).clamp(min=1)),
                  "approx_kl": _masked(rho_token - 1 - log_ratio.detach(), act, dtype).sum() / n_act,
                  "ratio_mean": ratio_act.sum() / n_act,
-                 "ratio_max": ratio_act.amax() if ratio_act.numel() else ratio_act.new_zeros(())}
+                 "ratio_max": ratio_act.amax() if ratio_act.numel() else ratio_act.new_zeros(()),
+                 "turn_log_ratio_std": _spread(rho_turn.detach().log(), first)}
     return loss, stats
 
 

@@ -25,6 +25,8 @@ from typing import Callable
 import numpy as np
 import torch
 
+import mpo
+
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 TINY_MARKER = "mpo_tiny_model.json"   # in a built tiny model's folder: load its tokenizer as saved
@@ -512,14 +514,13 @@ def within_turn_share(adv: torch.Tensor, turn_ids: torch.Tensor) -> float:
     act = turn_ids >= 0
     if act.sum() < 2:
         return 0.0
-    key = (torch.arange(len(adv), device=adv.device)[:, None] * (turn_ids.max() + 1)
-           + turn_ids)[act]                                    # one id per (row, turn)
-    a = adv[act].double()
-    n = torch.zeros(int(key.max()) + 1, dtype=a.dtype, device=a.device).index_add_(
-        0, key, torch.ones_like(a))
-    mean = torch.zeros_like(n).index_add_(0, key, a) / n.clamp(min=1)
-    total = ((a - a.mean()) ** 2).sum()
-    return float(((a - mean[key]) ** 2).sum() / total) if total > 0 else 0.0
+    a = torch.where(act, adv.double(), 0.0)                                    # (B, T)
+    sums, _ = mpo.turn_residual_sums(a, turn_ids, validate=False)              # (B, K) Σ_i A
+    counts, _ = mpo.turn_residual_sums(act.double(), turn_ids, validate=False)  # (B, K) n_t
+    turn_mean = (sums / counts.clamp(min=1)).gather(1, turn_ids.clamp(min=0))  # (B, T)
+    total = ((a[act] - a[act].mean()) ** 2).sum()
+    within = ((a - turn_mean)[act] ** 2).sum()
+    return float(within / total) if total > 0 else 0.0
 
 
 def step_metrics(step: int, trajs: list, n: int, batch: dict, stats: dict, times: dict,

@@ -555,16 +555,6 @@ def make_optimizer(model, value_head, cfg: Config):
     return torch.optim.AdamW(groups, weight_decay=0.0)
 
 
-@torch.no_grad()
-def turn_log_ratio_std(logp, old_logp, turn_ids) -> torch.Tensor:
-    """A gate on the turn ratio: the spread over turns of log ρ_t = Σ_i (logp − old_logp). At 0
-    (the first minibatch) turn and token ratios give the same gradient, so settings A and B can
-    differ only where this moves off 0 (and the clip, turn_clip_frac, touches turns)."""
-    first = (turn_ids >= 0) & (turn_ids != nn.functional.pad(turn_ids[:, :-1], (1, 0), value=-1))
-    log_rho = mpo.turn_ratio(logp, old_logp, turn_ids, validate=False).log()     # (B, T)
-    return log_rho[first].std() if first.sum() > 1 else log_rho.new_zeros(())
-
-
 def policy_backward(model, batch, micro, h, n_tok, clip: tuple[float, float],
                     cfg: Config) -> dict:
     """The policy loss of one micro-batch (and the KL penalty), backward into the policy
@@ -578,7 +568,6 @@ def policy_backward(model, batch, micro, h, n_tok, clip: tuple[float, float],
         clip_eps=clip[0], ratio_level=ratio_level(cfg), clip_eps_high=clip[1],
         dual_clip=cfg.dual_clip or None,               # bounds a runaway turn ratio
         num_tokens=n_tok, validate=False)
-    stats["turn_log_ratio_std"] = turn_log_ratio_std(logp, batch["old_logp"][micro], tid)
     loss = loss_pi
     if cfg.kl_coef > 0:                   # k3 estimator of KL(π ‖ base), token mean
         d = torch.where(tid >= 0, batch["ref_logp"][micro] - logp, 0.0)

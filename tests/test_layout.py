@@ -1,12 +1,13 @@
 """The root files import each other without a circle (issue 26): mpo.py and search_env.py need
-none of the others, run_utils.py neither, presets.py only those, train_min.py all of them. Every
+none of the others, run_utils.py only mpo.py, presets.py search_env.py and run_utils.py,
+train_min.py all of them. Every
 import counts, a function's own included."""
 import ast
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-FILES = ("mpo", "search_env", "run_utils", "presets", "train_min")
+FILES = ("mpo", "search_env", "run_utils", "presets", "train_min")     # in import order
 
 
 def imports_of(name: str) -> set[str]:
@@ -22,7 +23,7 @@ def imports_of(name: str) -> set[str]:
 
 def test_root_files_import_in_one_direction_only():
     graph = {name: imports_of(name) for name in FILES}
-    assert graph == {"mpo": set(), "search_env": set(), "run_utils": set(),
+    assert graph == {"mpo": set(), "search_env": set(), "run_utils": {"mpo"},
                      "presets": {"search_env", "run_utils"},
                      "train_min": {"mpo", "search_env", "run_utils", "presets"}}
     order = {name: i for i, name in enumerate(FILES)}           # a topological order: no cycle

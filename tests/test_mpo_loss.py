@@ -510,3 +510,20 @@ def test_policy_loss_bfloat16_logp_gets_a_bfloat16_gradient_close_to_float64(lev
                                    A.bfloat16().double(), b.turn_ids, 0.2, level)
     close(lp16.grad.double(), e_grad, atol=1e-3)
     assert float(e_grad.abs().max()) > 1e-2                  # the comparison is not of zeros
+
+
+def test_policy_loss_reports_the_spread_of_turn_log_ratios():
+    """stats["turn_log_ratio_std"]: the sample SD over turns of log ρ_t = Σ_i (logp − old_logp),
+    the gate on the turn ratio (0: turn and token ratios give one gradient)."""
+    tid = torch.tensor([[-1, 0, 0, 0, -1, 1, 1], [-1, 0, 0, -1, -1, -1, -1]])
+    old = torch.zeros(2, 7, dtype=torch.float64)
+    logp = torch.tensor([[0, .1, .2, .3, 9, -.5, .1], [0, .2, .2, 9, 9, 9, 9]],   # off-turn: noise
+                        dtype=torch.float64)
+    adv = torch.ones_like(old)
+    log_rho = torch.tensor([0.6, -0.4, 0.4], dtype=torch.float64)    # per turn, by hand
+    for level in LEVELS:                              # a statistic of the turn ratio at any level
+        _, stats = mpo.policy_loss(logp, old, adv, tid, ratio_level=level)
+        assert float(stats["turn_log_ratio_std"]) == pytest.approx(float(log_rho.std()), abs=1e-12)
+    assert float(mpo.policy_loss(old, old, adv, tid)[1]["turn_log_ratio_std"]) == 0.0
+    one_turn = torch.where(tid == 1, 0, -1)                        # a single turn: no spread
+    assert float(mpo.policy_loss(logp, old, adv, one_turn)[1]["turn_log_ratio_std"]) == 0.0

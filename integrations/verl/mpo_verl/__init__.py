@@ -321,10 +321,10 @@ def compute_policy_loss_mpo(old_log_prob: torch.Tensor, log_prob: torch.Tensor, 
     loss = loss * dp_size                                   # DP averages gradients over ranks
     neg_log_ratio = torch.where(act, (old_log_prob - log_prob).detach(), 0.0)     # (B, T)
     names = ["actor/pg_clipfrac", "actor/ppo_kl", "actor/mpo_turn_clipfrac", "actor/mpo_approx_kl",
-             "actor/mpo_ratio_mean", "actor/mpo_ratio_max"]
+             "actor/mpo_ratio_mean", "actor/mpo_ratio_max", "actor/mpo_turn_log_ratio_std"]
     stat_values = torch.stack([stats["clip_frac"], neg_log_ratio.sum() / act.sum().clamp(min=1),  # verl's k1
                           stats["turn_clip_frac"], stats["approx_kl"], stats["ratio_mean"],
-                          stats["ratio_max"]]).float()
+                          stats["ratio_max"], stats["turn_log_ratio_std"]]).float()
     return loss, dict(zip(names, stat_values.tolist()))    # one device->host transfer
 
 

@@ -506,6 +506,8 @@ def test_registered_loss_equals_mpo_policy_loss_and_gradients(seed, clip_high, c
     torch.testing.assert_close(grad, grad_ref, **F32)
     assert metrics["actor/pg_clipfrac"] == pytest.approx(float(stats["clip_frac"]))
     assert metrics["actor/mpo_turn_clipfrac"] == pytest.approx(float(stats["turn_clip_frac"]))
+    assert metrics["actor/mpo_turn_log_ratio_std"] == pytest.approx(
+        float(stats["turn_log_ratio_std"]))
     # Multi-token turns: the turn ratio is really in use (the token-ratio PPO loss differs).
     vanilla, _ = get_policy_loss_fn("vanilla")(old, new, adv, mask.bool(), "token-mean", cfg, None)
     assert abs(vanilla.item() - loss.item()) > 1e-4
