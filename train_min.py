@@ -152,6 +152,13 @@ class Config:
     def uses_critic(self) -> bool:
         return self.variant not in ("grpo", "gspo")
 
+    @property
+    def critic_only_steps(self) -> int:
+        """The first updates train the critic alone (the policy adapter gets no gradient and no
+        optimiser step): the critic warm-up, and VAPO's value pretraining."""
+        vapo = self.vapo_value_steps if self.variant == "vapo" else 0
+        return max(self.critic_warmup_steps, vapo)
+
 
 def parse_config(argv=None) -> Config:
     """Config from argv (default sys.argv) with the preset's overrides and its own flags; a bad
@@ -531,8 +538,6 @@ def compute_advantages(batch, cfg: Config) -> None:
                                       critic_target=cfg.critic_target)
     elif cfg.variant == "vapo":                     # VAPO: critic λ = 1, policy λ length-adaptive
         adv, ret = mpo.vapo_advantages(rewards, values, turn_ids >= 0, alpha=cfg.vapo_alpha)
-        if batch.get("step", 0) < cfg.vapo_value_steps:    # value pretraining: no policy grad
-            adv = torch.zeros_like(adv)
     elif cfg.variant == "ppo":                                       # token GAE baseline
         adv, ret = mpo.token_gae(rewards, values, turn_ids >= 0, lam=cfg.ppo_lam)
     else:                                                            # GRPO / GSPO
@@ -585,7 +590,7 @@ def update(model, value_head, opt, batch, cfg: Config) -> dict[str, float]:
     eps, eps_high = ((cfg.gspo_clip_low, cfg.gspo_clip_high) if cfg.variant == "gspo"
                      else (cfg.clip_eps, cfg.clip_eps_high))     # GSPO clips a sequence ratio
     loss_keys = ("policy_loss", "value_loss", "kl_base")   # already minibatch token means
-    train_policy = batch.get("step", 0) >= cfg.critic_warmup_steps     # critic warm-up: no π
+    train_policy = batch.get("step", 0) >= cfg.critic_only_steps   # warm-up, VAPO pretraining
     totals, n_minibatches = {}, 0
     params = [p for g in opt.param_groups for p in g["params"]]
     for _ in range(cfg.ppo_epochs):
@@ -748,7 +753,7 @@ def train(argv: list[str]) -> dict:
         score_batch(model, value_head, batch, cfg)
         t_score = time.perf_counter()
         # --- advantages ---
-        batch["step"] = step                # VAPO's value pretraining reads it
+        batch["step"] = step                # update reads it: the critic-only steps
         compute_advantages(batch, cfg)                               # MPO: Eq. (20) advantages
         # --- update ---
         stats = update(model, value_head, opt, batch, cfg)

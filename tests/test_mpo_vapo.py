@@ -70,18 +70,22 @@ def test_vapo_rejects_bad_alpha_and_critic_lam_naming_them():
 
 
 def test_train_min_vapo_variant_pretrains_the_value_then_uses_vapo_advantages():
-    """train_min's "vapo": zero advantages (no policy gradient) for the first vapo_value_steps
-    updates, the critic's Monte Carlo targets throughout, then mpo.vapo_advantages."""
+    """train_min's "vapo": mpo.vapo_advantages and the critic's Monte Carlo targets at every
+    step; its first vapo_value_steps updates train the critic only (cfg.critic_only_steps; the
+    update itself: test_train_min's critic-only test)."""
     import train_min
     cfg = train_min.Config(variant="vapo", vapo_value_steps=2)
     assert "vapo" in train_min.VARIANTS and cfg.uses_critic and train_min.ratio_level(cfg) == "token"
+    assert cfg.critic_only_steps == 2
+    assert train_min.Config(variant="vapo", vapo_value_steps=2, critic_warmup_steps=3).critic_only_steps == 3
+    assert train_min.Config(variant="mpo", vapo_value_steps=2).critic_only_steps == 0
     tid = torch.tensor([[-1, 0, 0, -1, 1, 1], [0, 0, 0, 0, -1, -1]])
     values = torch.tensor([[9.0, 0.1, 0.2, 9.0, 0.4, 0.3], [0.5, 0.2, 0.1, 0.0, 9.0, 9.0]])
     scores = torch.tensor([1.0, 0.0])
     expected = mpo.vapo_advantages(mpo.outcome_rewards(scores, tid), values, tid >= 0, alpha=0.05)
-    for step, zero in ((0, True), (1, True), (2, False)):
+    for step in (0, 1, 2):
         batch = {"turn_ids": tid, "values": values, "scores": scores, "step": step}
         train_min.compute_advantages(batch, cfg)
         assert torch.equal(batch["returns"], expected[1])
-        assert torch.equal(batch["advantages"], torch.zeros_like(values) if zero else expected[0])
+        assert torch.equal(batch["advantages"], expected[0])
     assert torch.equal(expected[1][0, [1, 2, 4, 5]], torch.ones(4))     # R = 1 on every token

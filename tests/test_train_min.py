@@ -834,10 +834,17 @@ def test_gate_within_turn_share_of_advantage_variance():
     assert run_utils.within_turn_share(varied, torch.full_like(tid, -1)) == 0.0
 
 
-def test_critic_warmup_steps_train_only_the_critic_then_the_policy(fresh, hand_batch, tiny_path, base):
+@pytest.mark.parametrize("flags", [("--critic_warmup_steps", "2"),
+                                   ("--variant", "vapo", "--vapo_value_steps", "2")])
+def test_critic_only_steps_train_only_the_critic_then_the_policy(fresh, hand_batch, tiny_path, base,
+                                                                 flags):
+    """The critic warm-up and VAPO's value pretraining: the policy adapter gets no gradient and
+    no optimiser step (its AdamW state starts at the first policy update, bias correction
+    included), the critic trains from the first step."""
     tok, model, value_head = fresh
     ids, attn, turn_ids = hand_batch
-    c = make_cfg(tiny_path, base, "--critic_warmup_steps", "2", "--minibatches", "1")
+    c = make_cfg(tiny_path, base, *flags, "--minibatches", "1")
+    assert c.critic_only_steps == 2
     batch = {"ids": ids, "attn": attn, "turn_ids": turn_ids}
     train_min.score_batch(model, value_head, batch, c)
     act = turn_ids >= 0
@@ -856,6 +863,10 @@ def test_critic_warmup_steps_train_only_the_critic_then_the_policy(fresh, hand_b
         moved_v = any(not torch.equal(p, before_v[n]) for n, p in snapshot("critic").items())
         assert moved_v and moved_pi == policy_moves, step
         assert ("policy_loss" in stats) == policy_moves and stats["value_loss"] > 0
+    policy = next(p for n, p in model.named_parameters() if ".policy." in n and "lora_B" in n)
+    critic = next(p for n, p in model.named_parameters() if ".critic." in n and "lora_B" in n)
+    assert int(opt.state[policy]["step"]) == c.ppo_epochs       # one step per minibatch, from 2
+    assert int(opt.state[critic]["step"]) == 3 * c.ppo_epochs
     with pytest.raises(ValueError, match="--critic_warmup_steps 4 leaves no policy update in --steps 4"):
         make_cfg(tiny_path, base, "--critic_warmup_steps", "4")
     assert make_cfg(tiny_path, base, "--critic_warmup_steps", "2", "--variant", "grpo").critic_warmup_steps == 0
