@@ -705,6 +705,35 @@ def supervised_warm_start(model, tok, episodes: list[list[dict]], steps: int, se
 
 
 # --- Main: one iteration = rollout, advantages, update, evaluation / log / checkpoint ---------
+def train_step(model, value_head, opt, tok, suite: Suite, cfg: Config, step: int, device,
+               phase: Callable | None = None) -> tuple[list, dict, dict, dict]:
+    """One iteration: rollout, scoring, advantages, update. Returns the trajectories, the batch,
+    the update's statistics and each phase's seconds; `phase(name, fn)` runs a phase (default:
+    timed), e.g. counting its FLOPs instead (experiments/benchmarks/bench_dtype.py)."""
+    times = {}
+
+    def timed(name: str, fn: Callable):
+        t = time.perf_counter()
+        result = fn()
+        times[name] = time.perf_counter() - t
+        return result
+    phase = phase or timed
+    start_step(device)                  # run_utils: restarts the GPU's peak memory count
+    # --- rollout: the next questions in data order, n_rollouts episodes each ---
+    tasks = [suite.train[i] for i in questions_at(len(suite.train), cfg.seed,
+                                                   step * cfg.questions_per_step,
+                                                   cfg.questions_per_step)]
+    trajs = phase("generate", lambda: rollout(model, tok, suite, tasks, cfg, cfg.n_rollouts))
+    batch = collate(trajs, tok.pad_token_id, device)
+    phase("score", lambda: score_batch(model, value_head, batch, cfg))   # old log-probs, V
+    # --- advantages ---
+    batch["step"] = step                # update reads it: the critic-only steps
+    compute_advantages(batch, cfg)                                   # MPO: Eq. (20) advantages
+    # --- update ---
+    stats = phase("update", lambda: update(model, value_head, opt, batch, cfg))
+    return trajs, batch, stats, times
+
+
 def main(argv=None) -> dict:
     try:                                # a bad flag or run folder: one line naming it, no traceback
         return train(sys.argv[1:] if argv is None else list(argv))
@@ -742,23 +771,9 @@ def train(argv: list[str]) -> dict:
     bar = tqdm(range(step, cfg.steps), initial=step, total=cfg.steps, desc=cfg.variant,
                dynamic_ncols=True)
     for step in bar:
-        t0 = start_step(device)         # run_utils: the clock; restarts the GPU's peak memory
-        # --- rollout: the next questions in data order, n_rollouts episodes each ---
-        tasks = [suite.train[i] for i in questions_at(len(suite.train), cfg.seed,
-                                                       step * cfg.questions_per_step,
-                                                       cfg.questions_per_step)]
-        trajs = rollout(model, tok, suite, tasks, cfg, cfg.n_rollouts)
-        t_generate = time.perf_counter()
-        batch = collate(trajs, tok.pad_token_id, device)
-        score_batch(model, value_head, batch, cfg)
-        t_score = time.perf_counter()
-        # --- advantages ---
-        batch["step"] = step                # update reads it: the critic-only steps
-        compute_advantages(batch, cfg)                               # MPO: Eq. (20) advantages
-        # --- update ---
-        stats = update(model, value_head, opt, batch, cfg)
-        times = {"generate": t_generate - t0, "score": t_score - t_generate,
-                 "update": time.perf_counter() - t_score}
+        # --- rollout, advantages, update ---
+        trajs, batch, stats, times = train_step(model, value_head, opt, tok, suite, cfg, step,
+                                                device)
         # --- evaluation / logging / checkpoint ---
         done = step + 1                 # step_metrics (run_utils): train/ loss/ adv/ time/ mem/
         row = step_metrics(done, trajs, cfg.n_rollouts, batch, stats, times, device)

@@ -29,7 +29,7 @@ from torch.utils.flop_counter import FlopCounterMode
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import mpo  # noqa: E402
 import train_min  # noqa: E402
-from run_utils import questions_at, seed_everything  # noqa: E402
+from run_utils import seed_everything  # noqa: E402
 
 DTYPES = ("float32", "bfloat16")
 PHASES = ("generate", "score", "update")
@@ -58,12 +58,9 @@ def load(dtype: str, argv: list[str]):
 
 
 def step(run, step_i: int, count_flops: bool = False) -> dict:
-    """One training step as train_min.train runs it; seconds (or FLOPs) per phase."""
+    """One training step, train_min.train_step: seconds (or FLOPs) per phase."""
     cfg, suite, tok, model, value_head, opt = run
     seed_everything(1000 + step_i)                  # both dtypes sample from the same stream
-    tasks = [suite.train[i] for i in questions_at(len(suite.train), cfg.seed,
-                                                  step_i * cfg.questions_per_step,
-                                                  cfg.questions_per_step)]
     out, ratios = {}, []
     real_loss = mpo.policy_loss
 
@@ -73,29 +70,21 @@ def step(run, step_i: int, count_flops: bool = False) -> dict:
             ratios.append((logp.detach() - old_logp)[act].abs().max().item())
         return real_loss(logp, old_logp, *args, **kw)
 
-    def phase(name, fn):
-        counter = FlopCounterMode(display=False) if count_flops else None
-        t = time.perf_counter()
-        if counter:
-            with counter:
-                result = fn()
-            out[name] = counter.get_total_flops()
-        else:
+    def counted(name, fn):                          # a phase's FLOPs instead of its seconds
+        with FlopCounterMode(display=False) as counter:
             result = fn()
-            out[name] = time.perf_counter() - t
+        out[name] = counter.get_total_flops()
         return result
 
-    trajs = phase("generate", lambda: train_min.rollout(model, tok, suite, tasks, cfg,
-                                                         cfg.n_rollouts))
-    batch = train_min.collate(trajs, tok.pad_token_id, torch.device("cpu"))
-    phase("score", lambda: train_min.score_batch(model, value_head, batch, cfg))
-    batch["step"] = step_i
     train_min.mpo.policy_loss = recording
     try:
-        phase("update", lambda: (train_min.compute_advantages(batch, cfg),
-                                 train_min.update(model, value_head, opt, batch, cfg)))
+        _, batch, _, times = train_min.train_step(model, value_head, opt, tok, suite, cfg, step_i,
+                                                  torch.device("cpu"),
+                                                  counted if count_flops else None)
     finally:
         train_min.mpo.policy_loss = real_loss
+    if not count_flops:
+        out.update(times)
     act = batch["turn_ids"] >= 0
     out["tokens"] = int(batch["attn"].sum())
     out["action_tokens"] = int(act.sum())
