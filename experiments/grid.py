@@ -756,6 +756,12 @@ def collect_v2(out: Path) -> list[dict]:
     return records
 
 
+def earlier_info(path: Path) -> dict | None:
+    """The info of the results file at path (None if absent): a merged file keeps the history of
+    how its records were made (commands, commits), one "earlier" inside the other."""
+    return json.loads(path.read_text())["info"] if path.exists() else None
+
+
 def merge_records(path: Path, records: list[dict]) -> tuple[list[dict], int]:
     """records plus those already in the results file at path whose run (setting, variant,
     seed) is not among them: a grid continued in a later session, whose earlier run folders are
@@ -983,6 +989,7 @@ def testbed_v2(args, argv: list[str], extra: list[str]) -> str:
         args.cache = (args.cache or args.out / "cache").resolve()
         args.out = args.out.resolve()
         records = collect_v2(args.out)
+        earlier = earlier_info(args.results) if args.merge else None
         if args.merge:
             records, kept = merge_records(args.results, records)
         write_results(args.results, {
@@ -991,7 +998,7 @@ def testbed_v2(args, argv: list[str], extra: list[str]) -> str:
             "partial": len(records) < len(v2_jobs(args, extra)), "commit": git_commit(),
             "run_min_total": sum(r["wall_s"] or 0 for r in records) / 60,
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
-            "python": platform.python_version()}, records)
+            "python": platform.python_version(), "earlier": earlier}, records)
     elif not args.report_only:
         args.cache = (args.cache or args.out / "cache").resolve()
         args.out = args.out.resolve()
@@ -1000,14 +1007,15 @@ def testbed_v2(args, argv: list[str], extra: list[str]) -> str:
         t0 = time.perf_counter()
         run_jobs(jobs, args.workers)
         records = collect_v2(args.out)
+        earlier = earlier_info(args.results) if args.merge else None
         if args.merge:
             records, kept = merge_records(args.results, records)
         write_results(args.results, {
             "command": "python experiments/grid.py " + " ".join(argv), "runs": len(records),
-            "kept_from_file": kept, "wall_min": (time.perf_counter() - t0) / 60, "commit": git_commit(),
-            "run_min_total": sum(r["wall_s"] or 0 for r in records) / 60,
+            "kept_from_file": kept, "wall_min": (time.perf_counter() - t0) / 60,
+            "commit": git_commit(), "run_min_total": sum(r["wall_s"] or 0 for r in records) / 60,
             "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {args.workers} workers",
-            "python": platform.python_version()}, records)
+            "python": platform.python_version(), "earlier": earlier}, records)
     return v2_report(args.results, args.report_dir)
 
 
