@@ -736,9 +736,11 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, turn_ids: to
     v, R = values.to(dtype)[act], returns.to(dtype)[act]
     if R.numel() == 0:                                # no action token: undefined
         return torch.full((), math.nan, dtype=dtype, device=values.device)
-    var_R = R.var(unbiased=False)                     # NaN when there is no action token
+    var_R = R.var(unbiased=False)
     ev = 1 - (R - v).var(unbiased=False) / var_R
-    return torch.where(var_R > 0, ev, torch.full_like(ev, math.nan))   # undefined for constant R
+    # constant R: var_R is 0 up to rounding (e.g. 1e-17 for R = 1/3 in float32), not a spread
+    constant = var_R <= (8 * torch.finfo(dtype).eps * R.abs().amax()) ** 2
+    return torch.where(constant, torch.full_like(ev, math.nan), ev)     # undefined for constant R
 
 
 # The paper's Appendix C numbers (§1, §3): 2,048 trajectories over 8 checkpoints, 16,323 turns.

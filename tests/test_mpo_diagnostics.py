@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from hypothesis import given
 
@@ -191,6 +192,19 @@ def test_explained_variance_by_hand():
     assert abs(float(mpo.explained_variance(returns, returns, turn_ids)) - 1.0) <= 1e-12
     const = torch.full_like(values, 0.7)
     assert abs(float(mpo.explained_variance(const, returns, turn_ids)) - 0.0) <= 1e-12
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_explained_variance_is_nan_for_constant_returns_up_to_rounding(dtype):
+    """A constant R whose variance rounds to a tiny positive number (1/3 over 997 tokens) is
+    constant: NaN, not 1 − Var(R − V) / 1e-17 ≈ −1e13 (seen in a testbed VAPO run's log)."""
+    tid = torch.zeros(1, 997, dtype=torch.long)
+    R = torch.full((1, 997), 1 / 3, dtype=dtype)
+    V = torch.linspace(0, 1, 997, dtype=dtype)[None]
+    assert math.isnan(float(mpo.explained_variance(V, R, tid)))
+    R[0, 0] = 1.0                                   # one token differs: a real spread
+    ev = float(mpo.explained_variance(V, R, tid))
+    assert math.isfinite(ev) and ev < 0
 
 
 @given(batches())
