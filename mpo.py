@@ -738,8 +738,11 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, turn_ids: to
         return torch.full((), math.nan, dtype=dtype, device=values.device)
     var_R = R.var(unbiased=False)
     ev = 1 - (R - v).var(unbiased=False) / var_R
-    # constant R: var_R is 0 up to rounding (e.g. 1e-17 for R = 1/3 in float32), not a spread
-    constant = var_R <= (8 * torch.finfo(dtype).eps * R.abs().amax()) ** 2
+    # constant R: var_R is 0 up to rounding, not a spread (R = 1/3 gives 1e-17 in float32; R
+    # built as A + V carries rounding on V's scale: 1e-9 noise on an all-zero return)
+    eps = max(torch.finfo(x.dtype).eps for x in (values, returns, R) if x.is_floating_point())
+    scale = torch.maximum(R.abs().amax(), v.abs().amax())
+    constant = var_R <= (8 * eps * scale) ** 2
     return torch.where(constant, torch.full_like(ev, math.nan), ev)     # undefined for constant R
 
 

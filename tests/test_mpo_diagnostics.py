@@ -202,7 +202,10 @@ def test_explained_variance_is_nan_for_constant_returns_up_to_rounding(dtype):
     R = torch.full((1, 997), 1 / 3, dtype=dtype)
     V = torch.linspace(0, 1, 997, dtype=dtype)[None]
     assert math.isnan(float(mpo.explained_variance(V, R, tid)))
-    R[0, 0] = 1.0                                   # one token differs: a real spread
+    zero = ((V + 1 / 3) - 1 / 3) - V                # an all-zero return, with rounding noise
+    assert float(zero.abs().amax()) > 0
+    assert math.isnan(float(mpo.explained_variance(V, zero, tid)))
+    R[0, :100] = 1.0                                # a tenth of the tokens differ: a spread
     ev = float(mpo.explained_variance(V, R, tid))
     assert math.isfinite(ev) and ev < 0
 
