@@ -81,9 +81,8 @@ def _turn_starts(turn_ids: torch.Tensor) -> torch.Tensor:
 def _spread(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """The sample standard deviation of x[mask] (0 for fewer than 2), with no host sync."""
     n = torch.count_nonzero(mask).to(x.dtype)
-    mean = torch.where(mask, x, 0).sum() / n.clamp(min=1)
-    var = torch.where(mask, (x - mean) ** 2, 0).sum() / (n - 1).clamp(min=1)
-    return torch.where(n > 1, var.sqrt(), 0)
+    d = torch.where(mask, x - torch.where(mask, x, 0).sum() / n.clamp(min=1), 0)
+    return torch.where(n > 1, (d.square().sum() / (n - 1).clamp(min=1)).sqrt(), 0)
 
 
 def _check_turn_ids(turn_ids) -> int:
@@ -738,11 +737,8 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, turn_ids: to
         return torch.full((), math.nan, dtype=dtype, device=values.device)
     var_R = R.var(unbiased=False)
     ev = 1 - (R - v).var(unbiased=False) / var_R
-    # constant R: var_R is 0 up to rounding, not a spread (R = 1/3 gives 1e-17 in float32; R
-    # built as A + V carries rounding on V's scale: 1e-9 noise on an all-zero return)
     eps = max(torch.finfo(x.dtype).eps for x in (values, returns, R) if x.is_floating_point())
-    scale = torch.maximum(R.abs().amax(), v.abs().amax())
-    constant = var_R <= (8 * eps * scale) ** 2
+    constant = var_R <= (8 * eps * torch.maximum(R.abs().amax(), v.abs().amax())) ** 2  # rounding
     return torch.where(constant, torch.full_like(ev, math.nan), ev)     # undefined for constant R
 
 
