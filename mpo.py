@@ -14,13 +14,11 @@ writes token by token. MPO assigns credit at both scales:
   (M8) critic loss          1/2 (V - R)^2, token mean, R = V_rollout + A^MAE or the multi-scale
                             λ-return G_{t,i} = V + A^intra + lam_intra^(L_t - i) lam A^turn_{t+1}
 
-then the baselines ((B1) PPO token GAE and VAPO's decoupled-λ variant, (B2) GRPO, (B3) GSPO) and
-the critic diagnostics of Appendix C. Eq. (20) is the paper's number; (M1)-(M8), (B1)-(B3) are
-this project's labels, and § the sections of its paper notes, both summarised in docs/paper.md.
+then the baselines ((B1) PPO token GAE and VAPO's variant, (B2) GRPO, (B3) GSPO) and Appendix
+C's critic diagnostics. Eq. (20) is the paper's; (M1)-(B3) and § are docs/paper.md's labels.
 
-Symbols: lam = λ (turn GAE), lam_intra = λ_intra (intra-turn trace), beta = β (strength of the
-centred correction), delta = δ (TD residual), rho = ρ (importance ratio), eps = ε (clip range),
-sg = stop-gradient; γ = 1 throughout, as in the paper.
+Symbols: lam = λ (turn GAE), lam_intra = λ_intra (intra-turn trace), beta = β (centred correction),
+delta = δ (TD residual), rho = ρ (ratio), eps = ε (clip), sg = stop-gradient; γ = 1 (the paper's).
 Dimensions: B trajectories (rows), T token positions, K turns (the most turns of any row).
 Layout: per-token tensors are (B, T); turn_ids[b, p] = k >= 0 on the tokens of row b's k-th
 assistant turn (contiguous, numbered 0, 1, 2, ...), -1 elsewhere (prompt, observation, padding);
@@ -38,6 +36,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import statistics
 
 import torch
 import torch.nn.functional as F
@@ -198,13 +197,9 @@ def _as_float(x) -> float:
 
 # --- The one loop primitive, and moving numbers between tokens and turns ---------------------
 def reverse_scan(b: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
-    """Solve x_i = b_i + a_i * x_{i+1} (x past the end = 0) along the last dimension.
-
-    Every GAE here is this recurrence: b the residual, a the decay from i to i + 1 (λ inside a
-    segment, 0 where one ends, 1 across a skipped position), solved by recursive doubling in
-    ceil(log2 n) vectorised steps (why it is exact: docs/api.md#reverse_scan).
-    Example: b = [1, 1, 1], a = [0.5, 0.5, 0.5] -> x = [1.75, 1.5, 1.0].
-    """
+    """Solve x_i = b_i + a_i * x_{i+1} (x past the end = 0) along the last dimension: every GAE
+    here (b the residual, a the decay from i to i + 1), by recursive doubling in ceil(log2 n)
+    steps (docs/api.md#reverse_scan). Example: b = [1, 1, 1], a = [.5, .5, .5] -> [1.75, 1.5, 1]."""
     x, a = b.clone(), a.expand_as(b).clone()
     n, d = b.shape[-1], 1
     while d < n:
@@ -420,11 +415,8 @@ def multiscale_lambda_returns(values: torch.Tensor, adv_turn: torch.Tensor,
 
 # --- (M5) Batch whitening (§5, step 6), and the composition: MPO advantages (Algorithm 1) ----
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """(M5): standardise x over the positions of mask, (x − mean) / sqrt(var + eps), 0 off mask.
-
-    var is the unbiased (n − 1) variance over all masked positions of the batch, as verl's
-    masked_whiten computes it (0 when there is a single position).
-    """
+    """(M5): standardise x over the positions of mask, (x − mean) / sqrt(var + eps), 0 off mask;
+    var is the unbiased (n − 1) variance over the batch's masked positions, as verl's (0 if one)."""
     mask = mask.bool()
     x = torch.where(mask, x, torch.zeros_like(x))                 # junk off the mask: ignored
     n = torch.count_nonzero(mask)
@@ -476,9 +468,8 @@ def mpo_advantages(rewards: torch.Tensor, values: torch.Tensor, turn_ids: torch.
 
 # --- (M6) The turn ratio with a stop-gradient, and (M7) the clipped surrogate ----------------
 def _own_token_ratio(log_ratio: torch.Tensor, rho: torch.Tensor) -> torch.Tensor:
-    """A ratio whose value is rho and whose derivative in log_ratio_{b,p} is rho_{b,p}, through
-    its own token only: rho_{b,p} · exp(ℓ_{b,p} − sg(ℓ_{b,p})), ℓ = log_ratio (exp(0) = 1).
-    rho itself is held constant (sg): the stop-gradient of (M6) and of GSPO-token."""
+    """Value rho, derivative rho_{b,p} in ℓ_{b,p} = log_ratio_{b,p} only: sg(rho_{b,p}) ·
+    exp(ℓ_{b,p} − sg(ℓ_{b,p})) (exp(0) = 1): the stop-gradient of (M6) and of GSPO-token."""
     return rho.detach() * torch.exp(log_ratio - log_ratio.detach())
 
 
@@ -500,8 +491,7 @@ def turn_ratio(logp: torch.Tensor, old_logp: torch.Tensor, turn_ids: torch.Tenso
     log_ratio = _masked(logp.to(dtype) - old_logp.to(dtype), act, dtype)      # (B, T) ℓ_{t,i}
     S = _per_turn_sum(log_ratio.detach(), turn_ids, T)       # (B, T) wide: no sync to find K
     rho_turn = torch.exp(_gather_turn(S, turn_ids).clamp(-max_log_ratio, max_log_ratio))  # (B, T)
-    # ρ̃_{t,i} = ρ_{t,i}·sg(Π_{j≠i} ρ_{t,j}) = sg(ρ_t)·exp(ℓ_{t,i} − sg(ℓ_{t,i})):
-    # the value is ρ_t, the derivative in ℓ_{t,i} is ρ_t, the other tokens get nothing.
+    # ρ̃_{t,i} = ρ_{t,i}·sg(Π_{j≠i} ρ_{t,j}) = sg(ρ_t)·exp(ℓ_{t,i} − sg(ℓ_{t,i})), the .detach()s:
     return _own_token_ratio(log_ratio, rho_turn)                              # (B, T)
 
 
@@ -648,8 +638,7 @@ def token_gae(rewards: torch.Tensor, values: torch.Tensor, action_mask: torch.Te
     """
     _refuse_grad(_TARGETS.format("token_gae"), rewards=rewards, values=values)
     if validate:
-        lam = _check_unit("lam", lam)
-        gamma = _check_unit("gamma", gamma)
+        lam, gamma = _check_unit("lam", lam), _check_unit("gamma", gamma)
         _validate_action_mask(rewards, values, action_mask)
     act = action_mask.bool()
     delta, v = _masked_token_residuals(rewards, values, act, gamma)           # (B, T), (B, T)
@@ -672,8 +661,7 @@ def vapo_advantages(rewards: torch.Tensor, values: torch.Tensor, action_mask: to
     """
     _refuse_grad(_TARGETS.format("vapo_advantages"), rewards=rewards, values=values)
     if validate:
-        alpha = _check_positive("alpha", alpha)
-        critic_lam = _check_unit("critic_lam", critic_lam)
+        alpha, critic_lam = _check_positive("alpha", alpha), _check_unit("critic_lam", critic_lam)
         _validate_action_mask(rewards, values, action_mask)
     act = action_mask.bool()
     delta, v = _masked_token_residuals(rewards, values, act, 1.0)             # (B, T), (B, T)
@@ -730,8 +718,7 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, turn_ids: to
         for name, x in (("values", values), ("returns", returns)):
             _check_tensor(name, x, turn_ids)
             _check_float(name, x, turn_ids >= 0)
-    act = turn_ids >= 0
-    dtype = _compute_dtype(values)
+    act, dtype = turn_ids >= 0, _compute_dtype(values)
     v, R = values.to(dtype)[act], returns.to(dtype)[act]
     if R.numel() == 0:                                # no action token: undefined
         return torch.full((), math.nan, dtype=dtype, device=values.device)
@@ -794,8 +781,7 @@ def turn_value_structure(values, turn_ids) -> dict[str, float]:
     cols = list(zip(*[r for _, r in rows])) or [()] * 6
 
     def median(xs):                 # the usual median: the mean of the two middle values if even
-        xs = sorted(xs)
-        return (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2]) / 2 if xs else math.nan
+        return statistics.median(xs) if xs else math.nan
 
     def frac(xs):
         return sum(xs) / len(xs) if xs else math.nan
