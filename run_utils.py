@@ -515,8 +515,9 @@ def within_turn_share(adv: torch.Tensor, turn_ids: torch.Tensor) -> float:
     if act.sum() < 2:
         return 0.0
     a = torch.where(act, adv.double(), 0.0)                                    # (B, T)
-    sums, _ = mpo.turn_residual_sums(a, turn_ids, validate=False)              # (B, K) Σ_i A
-    counts, _ = mpo.turn_residual_sums(act.double(), turn_ids, validate=False)  # (B, K) n_t
+    K = int(turn_ids.max()) + 1                                                # one host read
+    sums, _ = mpo.turn_residual_sums(a, turn_ids, K, validate=False)           # (B, K) Σ_i A
+    counts, _ = mpo.turn_residual_sums(act.double(), turn_ids, K, validate=False)  # (B, K) n_t
     turn_mean = (sums / counts.clamp(min=1)).gather(1, turn_ids.clamp(min=0))  # (B, T)
     total = ((a[act] - a[act].mean()) ** 2).sum()
     within = ((a - turn_mean)[act] ** 2).sum()

@@ -173,9 +173,11 @@ def run_one(job: dict) -> dict:
             contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
         row = train(job["argv"] + (["--resume"] if resume else ["--overwrite"]))
         reached = row.get("step", 0) if row else last_step(out)
+        commits = (previous.get("commits", []) if resume else []) + [git_commit()]
         marker.update(step=reached, finished=reached == steps,
                       wall_s=time.perf_counter() - t0 + (previous.get("wall_s", 0.0) if resume
-                                                         else 0.0))
+                                                         else 0.0),
+                      commits=list(dict.fromkeys(commits)))   # the code of each sitting, in order
         measure = marker["finished"] and job.get("measure_critic")
         marker["structure"] = critic_structure(out) if measure else {}
     (out / MARKER).write_text(json.dumps(marker, indent=1))
@@ -742,6 +744,7 @@ def v2_record(marker: dict, rows: list[dict]) -> dict:
                     "boundary_share_sq_changes", "grouped_between_share_token_median",
                     "grouped_boundary_share_sq_changes") if k in structure},
         "wall_s": rounded(marker.get("wall_s"), 1),
+        "commits": marker.get("commits"),          # the commit(s) that trained it (None: older)
     }
 
 

@@ -9,8 +9,8 @@ every table of its report, recomputed from the committed raw outcomes.
 Runs go one at a time (each uses both cores), in run folders under --runs (train_min's own:
 checkpoints every 2 steps, so a killed run loses at most 2 steps). A run that finished is
 skipped, a run with a checkpoint resumes (`--resume`), any other starts afresh. When a run
-finishes its small files (config.json, metrics.jsonl, eval/*.jsonl: one line per validation
-question) are copied to --results (experiments/results/smol_hops/<variant>-s<seed>/), which is
+finishes its small files (config.json, metrics.jsonl, commits.json: the commit of each sitting,
+eval/*.jsonl: one line per validation question) are copied to --results (experiments/results/smol_hops/<variant>-s<seed>/), which is
 what gets committed and what `report` reads. Only A (mpo) evaluates before training: B, C and
 the baselines start from the same warm-started model of their seed (zero-initialised LoRA B),
 so their greedy step-0 evaluation is A's, question for question.
@@ -80,9 +80,13 @@ def run_one(variant: str, seed: int, args, extra: list[str]) -> None:
     argv += ["--resume"] if resume else ["--overwrite"]
     print(f"[study] {name}: {'resuming' if resume else 'starting'}: train_min.py "
           + " ".join(argv), flush=True)
+    out.mkdir(parents=True, exist_ok=True)          # the commit of each sitting, in order
+    sittings = out / "commits.json"
+    earlier = json.loads(sittings.read_text()) if resume and sittings.exists() else []
+    sittings.write_text(json.dumps(list(dict.fromkeys(earlier + [grid.git_commit()]))))
     launch(argv)
     saved.mkdir(parents=True, exist_ok=True)
-    for f in ("config.json", "metrics.jsonl"):
+    for f in ("config.json", "metrics.jsonl", "commits.json"):
         shutil.copy2(out / f, saved / f)
     shutil.copytree(out / "eval", saved / "eval", dirs_exist_ok=True)
     print(f"[study] {name}: done, results in {saved}", flush=True)

@@ -76,6 +76,7 @@ def test_a_run_stopped_before_its_last_step_is_not_finished_and_resumes(tiny_mod
         calls.append(1)
         return real(*args, **kwargs)
     monkeypatch.setattr(mpo, "outcome_rewards", preempted)
+    monkeypatch.setattr(grid, "git_commit", lambda: "aaa1111")    # the first sitting's code
     job = tiny_job(tiny_model, tmp_path / "run")
     with pytest.raises(SystemExit, match="stopped at step 1 of 2"):
         grid.run_jobs([job])
@@ -83,15 +84,22 @@ def test_a_run_stopped_before_its_last_step_is_not_finished_and_resumes(tiny_mod
     assert (marker["finished"], marker["step"], marker["steps"]) == (False, 1, 2)
     assert marker["argv"] == job["argv"]
     assert not grid.is_finished(job)
+    assert marker["commits"] == ["aaa1111"]
     monkeypatch.setattr(mpo, "outcome_rewards", real)
+    monkeypatch.setattr(grid, "git_commit", lambda: "bbb2222")    # resumed on newer code
     [marker] = grid.run_jobs([job])
     assert (marker["finished"], marker["step"]) == (True, 2)
+    assert marker["commits"] == ["aaa1111", "bbb2222"]           # both sittings, in order
+    assert grid.v2_record({**marker, "setting": "s", "regime": "v2", "variant": "mpo",
+                           "seed": 0, "turn_len": 4}, [{"step": 2, "val/reward": 0.0}]
+                          )["commits"] == ["aaa1111", "bbb2222"]
     assert "resumed from" in (tmp_path / "run" / "log.txt").read_text()
     assert metrics_steps(tmp_path / "run")[-2:] == [1, 2]
     # other flags: not finished, trained again from step 0 rather than resumed
     other = tiny_job(tiny_model, tmp_path / "run", "--lam", "0.6")
     [marker] = grid.run_jobs([other])
     assert marker["finished"] and marker["argv"] == other["argv"]
+    assert marker["commits"] == ["bbb2222"]                       # a fresh run: its own code only
     assert "resumed from" not in (tmp_path / "run" / "log.txt").read_text()
     assert json.loads((tmp_path / "run" / "config.json").read_text())["lam"] == 0.6
 

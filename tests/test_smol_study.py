@@ -147,6 +147,7 @@ def test_run_one_reads_steps_from_parse_config_and_launches_train_min(tmp_path, 
         write_jsonl(out / "eval" / "step_0006.jsonl", outcomes({0}))
     monkeypatch.setattr(subprocess, "run", no_subprocess)
     monkeypatch.setattr(st, "launch", fake_launch)
+    monkeypatch.setattr(st.grid, "git_commit", lambda: "aaa1111")
     args = argparse.Namespace(runs=tmp_path / "runs", results=tmp_path / "results")
     write_run(args.results, "mpo_token_is", 0, {0}, final=5)         # finished at step 5
 
@@ -160,6 +161,12 @@ def test_run_one_reads_steps_from_parse_config_and_launches_train_min(tmp_path, 
                            "--overwrite"]
     assert st.final_step(args.results / "mpo_token_is-s1") == 6
     assert (args.results / "mpo_token_is-s1" / "eval" / "step_0006.jsonl").exists()
+    assert json.loads((args.results / "mpo_token_is-s1" / "commits.json").read_text()) == [
+        "aaa1111"]
+    st.run_one("mpo", 1, args, ["--steps", "7"])                    # a first sitting, then
     (args.runs / "mpo-s1" / "checkpoints" / "latest").mkdir(parents=True)   # a checkpoint: resume
+    monkeypatch.setattr(st.grid, "git_commit", lambda: "bbb2222")   # on newer code
     st.run_one("mpo", 1, args, ["--steps", "7"])
-    assert launched[2][-1] == "--resume" and "--eval_first" not in launched[2]
+    assert launched[3][-1] == "--resume" and "--eval_first" not in launched[3]
+    assert json.loads((args.results / "mpo-s1" / "commits.json").read_text()) == [
+        "aaa1111", "bbb2222"]                                        # every sitting, in order
