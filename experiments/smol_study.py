@@ -7,13 +7,14 @@ every table of its report, recomputed from the committed raw outcomes.
     python experiments/smol_study.py report                    # tables (stdout and --out)
 
 Runs go one at a time (each uses both cores), in run folders under --runs (train_min's own:
-checkpoints every 2 steps, so a killed run loses at most 2 steps). A run that finished is
-skipped, a run with a checkpoint resumes (`--resume`), any other starts afresh. When a run
-finishes its small files (config.json, metrics.jsonl, commits.json: the commit of each sitting,
-eval/*.jsonl: one line per validation question) are copied to --results (experiments/results/smol_hops/<variant>-s<seed>/), which is
-what gets committed and what `report` reads. Only A (mpo) evaluates before training: B, C and
-the baselines start from the same warm-started model of their seed (zero-initialised LoRA B),
-so their greedy step-0 evaluation is A's, question for question.
+checkpoints every 2 steps, so a killed run loses at most 2 steps). A run that finished is skipped,
+a run with a checkpoint resumes (`--resume`), any other starts afresh. When a run finishes its
+small files (config.json, metrics.jsonl, commits.json: the commit of each sitting, eval/*.jsonl:
+one line per validation question) are copied to --results
+(experiments/results/smol_hops/<variant>-s<seed>/), which is what gets committed and what `report`
+reads. Only A (mpo) evaluates before training: B, C and the baselines start from the same
+warm-started model of their seed (zero-initialised LoRA B), so their greedy step-0 evaluation is
+A's, question for question.
 
 The design (fixed before the runs, docs/smol.md): the final greedy exact match on the 200
 validation questions of each seed's disjoint knowledge base; gains over step 0; paired
@@ -189,8 +190,9 @@ def power(comps: list[dict], x: str = "mpo_token_is") -> str:
     difference needs at 2 SE, ⌈(2σ_d / 3)²⌉."""
     c = next((c for c in comps if c["variant"] == x), None)
     if c is None or c["n"] < 2:
+        n = c["n"] if c else 0
         return ("Seeds for a 3-point A − B difference at 2 SE: not estimated "
-                f"({c['n'] if c else 0} paired seeds, σ_d needs at least 2).")
+                f"({n} paired seed{'' if n == 1 else 's'}, σ_d needs at least 2).")
     sd = statistics.stdev(c["d"])
     need = math.ceil((2 * sd / 3) ** 2)
     return (f"Seeds for a 3-point A − B difference at 2 SE: σ_d = {sd:.1f} points over {c['n']} "

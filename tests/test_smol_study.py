@@ -113,7 +113,7 @@ def test_power_sigma_d_and_seeds_needed(results):
                                f"points over 4 seeds, ⌈(2σ_d / 3)²⌉ = 75 (cap 8).")
     one = st.power([{"variant": "mpo_token_is", "n": 3, "d": [0.0, 3.0, 6.0]}])    # σ_d 3
     assert one.endswith("σ_d = 3.0 points over 3 seeds, ⌈(2σ_d / 3)²⌉ = 4.")
-    assert "not estimated (1 paired seeds" in st.power([{"variant": "mpo_token_is", "n": 1,
+    assert "not estimated (1 paired seed," in st.power([{"variant": "mpo_token_is", "n": 1,
                                                           "d": [5.0]}])
     assert "not estimated (0 paired seeds" in st.power([])
 
