@@ -524,6 +524,18 @@ def within_turn_share(adv: torch.Tensor, turn_ids: torch.Tensor) -> float:
     return float(within / total) if total > 0 else 0.0
 
 
+def critic_gates(batch: dict) -> dict[str, float]:
+    """The critic's explained variance 1 − Var(R − V) / Var(R) over action tokens, of its rollout
+    values V against its training targets (`critic/explained_variance`) and against the outcome
+    R(τ) on every token of the episode (`critic/ev_outcome`: with γ = 1 and one terminal reward
+    the Monte Carlo return, free of the bootstrap the targets share with V)."""
+    values, tid = batch["values"], batch["turn_ids"]
+    outcome = batch["scores"][:, None].to(values.dtype).expand_as(values)     # (B, T) R(τ)
+    return {"critic/explained_variance": float(mpo.explained_variance(values, batch["returns"],
+                                                                      tid)),
+            "critic/ev_outcome": float(mpo.explained_variance(values, outcome, tid))}
+
+
 def step_metrics(step: int, trajs: list, n: int, batch: dict, stats: dict, times: dict,
                  device: torch.device) -> dict[str, float]:
     """The metrics row of training step `step`: statistics of its n episodes per question

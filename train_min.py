@@ -43,9 +43,10 @@ import presets
 import search_env
 from search_env import Suite, search_suite
 from run_utils import (LORA_TARGETS, ConfigError, MetricsLog, StopFlag, check_out_dir,
-                       compute_dtype, cpu_4bit_workaround, episode_stats, eval_config, eval_only,
-                       load_tokenizer, log_line, parse_with_presets, questions_at, resume,
-                       save_checkpoint, seed_everything, setup_device, start_step, step_metrics)
+                       compute_dtype, cpu_4bit_workaround, critic_gates, episode_stats,
+                       eval_config, eval_only, load_tokenizer, log_line, parse_with_presets,
+                       questions_at, resume, save_checkpoint, seed_everything, setup_device,
+                       start_step, step_metrics)
 
 VARIANTS = ("mpo", "mpo_token_is", "mpo_beta0", "ppo", "grpo", "gspo", "vapo")
 
@@ -778,8 +779,7 @@ def train(argv: list[str]) -> dict:
         done = step + 1                 # step_metrics (run_utils): train/ loss/ adv/ time/ mem/
         row = step_metrics(done, trajs, cfg.n_rollouts, batch, stats, times, device)
         if cfg.uses_critic:
-            row["critic/explained_variance"] = float(mpo.explained_variance(
-                batch["values"], batch["returns"], batch["turn_ids"]))
+            row.update(critic_gates(batch))   # explained variance vs targets and vs R(τ)
             if done % cfg.structure_every == 0 or done == cfg.steps:    # §9: turn structure
                 structure = mpo.turn_value_structure(batch["values"], batch["turn_ids"])
                 row.update({f"critic/{k}": v for k, v in structure.items()})

@@ -202,9 +202,10 @@ def power(comps: list[dict], x: str = "mpo_token_is") -> str:
 
 def gates_table(runs) -> str:
     """Per run: is each mechanism active? Means over the policy-update steps (after the critic
-    warm-up); the critic's explained variance over its first and last 5 steps."""
-    lines = ["| run | EV first 5 → last 5 | turn clip frac | sd log ρ_turn | within-turn adv share "
-             "| tokens/turn | turns | malformed step 0 → end |", "|---|---|---|---|---|---|---|---|"]
+    warm-up); the critic's explained variance against its targets and against the outcome R(τ)
+    (logged from `c8f6492` on: – before), over its first and last 5 steps."""
+    lines = ["| run | EV first 5 → last 5 | EV vs R(τ) first 5 → last 5 | turn clip frac | sd log ρ_turn | within-turn adv share "
+             "| tokens/turn | turns | malformed step 0 → end |", "|---" * 9 + "|"]
     for (v, s), r in sorted(runs.items(), key=lambda kv: (list(LABELS).index(kv[0][0]), kv[0][1])):
         rows, warm = r["rows"], r["cfg"].get("critic_warmup_steps", 0)
         live = [x for x in rows if x["step"] > warm]
@@ -212,13 +213,16 @@ def gates_table(runs) -> str:
         def avg(key, rs=live):
             xs = [x[key] for x in rs if key in x and x[key] is not None and math.isfinite(x[key])]
             return statistics.mean(xs) if xs else float("nan")
-        ev = (f"{avg('critic/explained_variance', rows[:5]):+.2f} → "
-              f"{avg('critic/explained_variance', rows[-5:]):+.2f}")
+        def first_last(key):
+            if v == "grpo" or not any(key in x for x in rows):       # no critic, or not logged
+                return "–"
+            return f"{avg(key, rows[:5]):+.2f} → {avg(key, rows[-5:]):+.2f}"
         ev0, evN = r["evals"].get(0, {}), final(r)
         mal = (f"{100 * statistics.mean(x.get('malformed', False) for x in ev0.values()):.0f}% → "
                f"{100 * statistics.mean(x.get('malformed', False) for x in evN.values()):.0f}%"
                if ev0 else "–")
-        lines.append(f"| {v}-s{s} | {ev if v not in ('grpo',) else '–'} | "
+        lines.append(f"| {v}-s{s} | {first_last('critic/explained_variance')} | "
+                     f"{first_last('critic/ev_outcome')} | "
                      f"{avg('loss/turn_clip_frac'):.3f} | {avg('loss/turn_log_ratio_std'):.3f} | "
                      f"{avg('adv/within_turn_share'):.3f} | {avg('train/tokens_per_turn', rows):.1f} | "
                      f"{avg('train/turns', rows):.2f} | {mal} |")

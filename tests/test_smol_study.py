@@ -170,3 +170,18 @@ def test_run_one_reads_steps_from_parse_config_and_launches_train_min(tmp_path, 
     assert launched[3][-1] == "--resume" and "--eval_first" not in launched[3]
     assert json.loads((args.results / "mpo-s1" / "commits.json").read_text()) == [
         "aaa1111", "bbb2222"]                                        # every sitting, in order
+
+
+def test_gates_table_shows_each_critic_gate_over_the_first_and_last_five_steps(results):
+    d = results / "mpo_token_is-s1"                   # this run also logged EV vs the outcome
+    rows = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
+    write_jsonl(d / "metrics.jsonl", [{**r, "critic/ev_outcome": -0.5} for r in rows])
+    write_jsonl(results / "mpo-s0" / "metrics.jsonl",   # 8 steps, EV 0.1 ... 0.8
+                [{"step": s, "critic/explained_variance": s / 10} for s in range(1, 9)])
+    table = st.gates_table(st.load(results)).splitlines()
+    mpo_s0 = next(x for x in table if x.startswith("| mpo-s0 |")).split(" | ")
+    assert mpo_s0[1] == "+0.30 → +0.60" and mpo_s0[2] == "–"     # steps 1-5, 4-8; not logged: –
+    b_s1 = next(x for x in table if x.startswith("| mpo_token_is-s1 |")).split(" | ")
+    assert b_s1[2] == "-0.50 → -0.50"
+    assert len(table[0].split(" | ")) == len(mpo_s0)                           # one cell a column
+

@@ -545,6 +545,7 @@ def test_tiny_preset_end_to_end_writes_metrics_and_complete_checkpoints(full_run
     assert ["val/pass@1" in r for r in rows] == [False, True, False, True]       # eval_every 2
     for r in rows:
         assert 0.0 <= r["train/reward"] <= 1.0 and math.isfinite(r["loss/policy_loss"])
+        assert {"critic/explained_variance", "critic/ev_outcome"} <= set(r)   # the critic gates
     ckpts = out / "checkpoints"
     assert (ckpts / "latest").read_text().strip() == "step_000004"
     assert sorted(p.name for p in ckpts.iterdir() if p.is_dir()) == ["step_000002", "step_000004"]
@@ -832,6 +833,24 @@ def test_gate_within_turn_share_of_advantage_variance():
     assert math.isclose(run_utils.within_turn_share(varied, tid),
                         2.0 / float(((a - a.mean()) ** 2).sum()), rel_tol=1e-9)   # turn 0: SS 2
     assert run_utils.within_turn_share(varied, torch.full_like(tid, -1)) == 0.0
+
+
+def test_gate_critic_explained_variance_against_targets_and_against_the_outcome():
+    tid = torch.tensor([[-1, 0, 0, -1, 1], [-1, 0, 0, -1, -1], [-1, 0, 1, 1, -1]])
+    scores = torch.tensor([1.0, 0.0, 1.0])
+    on = tid >= 0
+    outcome = torch.where(on, scores[:, None], 0.0)                  # R(τ) on every action token
+    batch = {"turn_ids": tid, "scores": scores, "values": outcome.clone(),
+             "returns": torch.where(on, torch.tensor([[0.0, 1, 2, 0, 3]]), 0.0)}
+    gates = run_utils.critic_gates(batch)
+    assert gates["critic/ev_outcome"] == pytest.approx(1.0)          # V = R: a perfect critic
+    v, R = outcome[on], batch["returns"][on]                         # by hand: 1 − Var(R−V)/Var(R)
+    assert gates["critic/explained_variance"] == pytest.approx(
+        1 - float((R - v).var(unbiased=False) / R.var(unbiased=False)))
+    batch["values"] = torch.where(on, 0.5, 0.0)                      # a constant: no better, EV 0
+    assert run_utils.critic_gates(batch)["critic/ev_outcome"] == pytest.approx(0.0, abs=1e-6)
+    batch["values"] = torch.where(on, 1 - scores[:, None], 0.0)      # backwards: Var(R−V) = 4 Var(R)
+    assert run_utils.critic_gates(batch)["critic/ev_outcome"] == pytest.approx(-3.0)
 
 
 @pytest.mark.parametrize("flags", [("--critic_warmup_steps", "2"),
