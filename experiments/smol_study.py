@@ -9,8 +9,9 @@ every table of its report, recomputed from the committed raw outcomes.
 Runs go one at a time (each uses both cores), in run folders under --runs (train_min's own:
 checkpoints every 2 steps, so a killed run loses at most 2 steps). A run that finished is skipped,
 a run with a checkpoint resumes (`--resume`), any other starts afresh. When a run finishes its
-small files (config.json, metrics.jsonl, commits.json: the commit of each sitting, eval/*.jsonl:
-one line per validation question) are copied to --results
+small files (config.json, metrics.jsonl, commits.json: the commit of each sitting,
+warm_start.json: the sha256 of the starting weights of each sitting, eval/*.jsonl: one line per
+validation question) are copied to --results
 (experiments/results/smol_hops/<variant>-s<seed>/), which is what gets committed and what `report`
 reads. Only A (mpo) evaluates before training: B, C and the baselines start from the same
 warm-started model of their seed (zero-initialised LoRA B), so their greedy step-0 evaluation is
@@ -85,12 +86,35 @@ def run_one(variant: str, seed: int, args, extra: list[str]) -> None:
     sittings = out / "commits.json"
     earlier = json.loads(sittings.read_text()) if resume and sittings.exists() else []
     sittings.write_text(json.dumps(list(dict.fromkeys(earlier + [grid.git_commit()]))))
+    if not resume:
+        (out / "warm_start.json").unlink(missing_ok=True)
     launch(argv)
+    record_warm_start(out)
     saved.mkdir(parents=True, exist_ok=True)
-    for f in ("config.json", "metrics.jsonl", "commits.json"):
+    for f in ("config.json", "metrics.jsonl", "commits.json", "warm_start.json"):
         shutil.copy2(out / f, saved / f)
     shutil.copytree(out / "eval", saved / "eval", dirs_exist_ok=True)
     print(f"[study] {name}: done, results in {saved}", flush=True)
+
+
+def record_warm_start(out: Path) -> None:
+    """Append the sha256 of the starting model's weights (config.json's `model`, the cached warm
+    start) to out/warm_start.json, once per distinct value: B, C and the baselines take their
+    step-0 evaluation from A's run of the same seed, which holds only if every run of a seed
+    started from the same weights (a warm start rebuilt on another machine may differ in the
+    last bits). A model without a model.safetensors is recorded as "unknown"."""
+    import hashlib
+    weights = Path(json.loads((out / "config.json").read_text()).get("model", "")) / "model.safetensors"
+    sha = "unknown"
+    if weights.is_file():
+        h = hashlib.sha256()
+        with weights.open("rb") as f:
+            for block in iter(lambda: f.read(1 << 24), b""):
+                h.update(block)
+        sha = h.hexdigest()
+    path = out / "warm_start.json"
+    earlier = json.loads(path.read_text()) if path.exists() else []
+    path.write_text(json.dumps(list(dict.fromkeys(earlier + [sha]))))
 
 
 def run(args, extra: list[str]) -> None:
@@ -115,8 +139,10 @@ def load(results: Path) -> dict[tuple[str, int], dict]:
             raise ValueError(f"run {d} lacks config.json or eval/step_*.jsonl")
         cfg = json.loads((d / "config.json").read_text())
         evals = {int(f.stem.split("_")[1]): {x["id"]: x for x in read_jsonl(f)} for f in files}
+        ws = d / "warm_start.json"
         runs[cfg["variant"], cfg["seed"]] = {"rows": read_jsonl(d / "metrics.jsonl"),
-                                             "evals": evals, "cfg": cfg}
+                                             "evals": evals, "cfg": cfg,
+                                             "warm": json.loads(ws.read_text()) if ws.exists() else []}
     for (variant, seed), r in runs.items():      # step 0: A's evaluation of the same model
         if 0 not in r["evals"] and ("mpo", seed) in runs and 0 in runs["mpo", seed]["evals"]:
             r["evals"][0] = runs["mpo", seed]["evals"][0]
@@ -203,7 +229,7 @@ def power(comps: list[dict], x: str = "mpo_token_is") -> str:
 def gates_table(runs) -> str:
     """Per run: is each mechanism active? Means over the policy-update steps (after the critic
     warm-up); the critic's explained variance against its targets and against the outcome R(τ)
-    (logged from `c8f6492` on: – before), over its first and last 5 steps."""
+    (logged from `3b624ab` on: – before), over its first and last 5 steps."""
     lines = ["| run | EV first 5 → last 5 | EV vs R(τ) first 5 → last 5 | turn clip frac | sd log ρ_turn | within-turn adv share "
              "| tokens/turn | turns | malformed step 0 → end |", "|---" * 9 + "|"]
     for (v, s), r in sorted(runs.items(), key=lambda kv: (list(LABELS).index(kv[0][0]), kv[0][1])):
@@ -229,13 +255,36 @@ def gates_table(runs) -> str:
     return "\n".join(lines)
 
 
+def warm_start_line(runs) -> str:
+    """Did every run of a seed start from the weights A's step-0 evaluation measured? Runs
+    compared by the sha256 of their starting model (warm_start.json, one per sitting)."""
+    shas = sorted({x for r in runs.values() for x in r["warm"]})
+    if not shas:
+        return "Starting weights: not recorded for any run."
+    names = {sha: f"W{i + 1} ({sha[:12]})" for i, sha in enumerate(shas)}
+    parts, mixed = [], []
+    for sha in shas:
+        who = [f"{v}-s{s}" for (v, s), r in sorted(runs.items()) if sha in r["warm"]]
+        parts.append(f"{names[sha]}: {', '.join(who)}")
+    for seed in sorted({s for _, s in runs}):
+        seen = {x for (v, s), r in runs.items() if s == seed for x in r["warm"]}
+        if len(seen) > 1:
+            mixed.append(str(seed))
+    missing = [f"{v}-s{s}" for (v, s), r in sorted(runs.items()) if not r["warm"]]
+    return ("Starting weights (sha256 of the warm-started model, per sitting): " + "; ".join(parts)
+            + (f"; not recorded: {', '.join(missing)}" if missing else "")
+            + (f". **Seeds {', '.join(mixed)} mix starting weights**: their step-0 evaluation "
+               "is not every run's." if mixed else "."))
+
+
 def report(args) -> str:
     runs = load(args.results)
     comps = comparisons(runs)
     text = "\n\n".join([
         f"Runs: {len(runs)} ({', '.join(f'{v}-s{s}' for v, s in sorted(runs))}); "
         "validation: greedy exact match on each seed's 200 questions.",
-        "### Gains over the warm-started model\n\n" + gains_table(runs),
+        "### Gains over the warm-started model\n\n" + gains_table(runs) + "\n\n"
+        + warm_start_line(runs),
         "### Paired differences from A (final evaluation)\n\n" + paired_table(comps)
         + "\n\n" + power(comps),
         "### Mechanism gates\n\n" + gates_table(runs)])

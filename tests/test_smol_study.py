@@ -185,3 +185,38 @@ def test_gates_table_shows_each_critic_gate_over_the_first_and_last_five_steps(r
     assert b_s1[2] == "-0.50 → -0.50"
     assert len(table[0].split(" | ")) == len(mpo_s0)                           # one cell a column
 
+
+
+def test_run_one_records_the_starting_weights_and_report_flags_a_seed_that_mixes_them(
+        tmp_path, monkeypatch):
+    import hashlib
+    model = tmp_path / "warm"
+    model.mkdir()
+
+    def fake_launch(argv):                       # train_min's config.json names the model folder
+        out = Path(argv[argv.index("--out_dir") + 1])
+        (out / "config.json").write_text(json.dumps({"model": str(model), "variant": "mpo",
+                                                     "seed": 1}))
+        write_jsonl(out / "metrics.jsonl", [{"step": 2}])
+        write_jsonl(out / "eval" / "step_0002.jsonl", outcomes({0}))
+    monkeypatch.setattr(st, "launch", fake_launch)
+    monkeypatch.setattr(st.grid, "git_commit", lambda: "aaa1111")
+    args = argparse.Namespace(runs=tmp_path / "runs", results=tmp_path / "results")
+    (model / "model.safetensors").write_bytes(b"weights one")
+    st.run_one("mpo", 1, args, ["--steps", "5"])                      # stops short of step 5
+    (args.runs / "mpo-s1" / "checkpoints" / "latest").mkdir(parents=True)
+    (model / "model.safetensors").write_bytes(b"weights two")        # rebuilt elsewhere
+    st.run_one("mpo", 1, args, ["--steps", "5"])                      # resumes
+    st.run_one("mpo", 1, args, ["--steps", "5"])                      # the same weights again
+    one, two = (hashlib.sha256(b).hexdigest() for b in (b"weights one", b"weights two"))
+    assert json.loads((args.results / "mpo-s1" / "warm_start.json").read_text()) == [one, two]
+
+    runs = {("mpo", 1): {"warm": [one]}, ("mpo_token_is", 1): {"warm": [one]},
+            ("mpo", 0): {"warm": []}}
+    line = st.warm_start_line(runs)
+    assert f"W1 ({one[:12]}): mpo-s1, mpo_token_is-s1" in line
+    assert "not recorded: mpo-s0" in line and "mix" not in line
+    runs["mpo_token_is", 1]["warm"] = [two]
+    assert "**Seeds 1 mix starting weights**" in st.warm_start_line(runs)
+    assert st.warm_start_line({("mpo", 0): {"warm": []}}) == (
+        "Starting weights: not recorded for any run.")
