@@ -87,14 +87,37 @@ def run_one(variant: str, seed: int, args, extra: list[str]) -> None:
     earlier = json.loads(sittings.read_text()) if resume and sittings.exists() else []
     sittings.write_text(json.dumps(list(dict.fromkeys(earlier + [grid.git_commit()]))))
     if not resume:
-        (out / "warm_start.json").unlink(missing_ok=True)
+        for f in ("warm_start.json", "machine.json"):
+            (out / f).unlink(missing_ok=True)
+    append_unique(out / "machine.json", machine())  # the last entry ran the final evaluation
     launch(argv)
     record_warm_start(out)
     saved.mkdir(parents=True, exist_ok=True)
-    for f in ("config.json", "metrics.jsonl", "commits.json", "warm_start.json"):
+    for f in ("config.json", "metrics.jsonl", "commits.json", "warm_start.json", "machine.json"):
         shutil.copy2(out / f, saved / f)
     shutil.copytree(out / "eval", saved / "eval", dirs_exist_ok=True)
     print(f"[study] {name}: done, results in {saved}", flush=True)
+
+
+def machine(cpuinfo: str | Path = "/proc/cpuinfo") -> str:
+    """The CPU a sitting ran on: its model name and bf16 matrix units. Greedy bf16 evaluation is
+    deterministic on one machine (any thread count) but not across CPU kinds: seed 0's warm start
+    flipped 10 of 200 validation outcomes between an AVX512-BF16 and an AMX machine
+    (docs/smol.md), so paired comparisons should come from one kind."""
+    try:
+        text = Path(cpuinfo).read_text()
+    except OSError:
+        return "unknown"
+    name = next((x.split(":", 1)[1].strip() for x in text.splitlines()
+                 if x.startswith("model name")), "unknown CPU")
+    units = sorted(set(text.split()) & {"amx_bf16", "avx512_bf16"})
+    return f"{name} [{' '.join(units) or 'no bf16 units'}]"
+
+
+def append_unique(path: Path, value: str) -> None:
+    """Add `value` to the JSON list in `path` unless it is its last element (one entry per change)."""
+    earlier = json.loads(path.read_text()) if path.exists() else []
+    path.write_text(json.dumps(earlier if earlier[-1:] == [value] else earlier + [value]))
 
 
 def record_warm_start(out: Path) -> None:
@@ -112,9 +135,7 @@ def record_warm_start(out: Path) -> None:
             for block in iter(lambda: f.read(1 << 24), b""):
                 h.update(block)
         sha = h.hexdigest()
-    path = out / "warm_start.json"
-    earlier = json.loads(path.read_text()) if path.exists() else []
-    path.write_text(json.dumps(list(dict.fromkeys(earlier + [sha]))))
+    append_unique(out / "warm_start.json", sha)
 
 
 def run(args, extra: list[str]) -> None:
@@ -142,7 +163,9 @@ def load(results: Path) -> dict[tuple[str, int], dict]:
         ws = d / "warm_start.json"
         runs[cfg["variant"], cfg["seed"]] = {"rows": read_jsonl(d / "metrics.jsonl"),
                                              "evals": evals, "cfg": cfg,
-                                             "warm": json.loads(ws.read_text()) if ws.exists() else []}
+                                             "warm": json.loads(ws.read_text()) if ws.exists() else [],
+                                             "machine": json.loads((d / "machine.json").read_text())
+                                             if (d / "machine.json").exists() else []}
     for (variant, seed), r in runs.items():      # step 0: A's evaluation of the same model
         if 0 not in r["evals"] and ("mpo", seed) in runs and 0 in runs["mpo", seed]["evals"]:
             r["evals"][0] = runs["mpo", seed]["evals"][0]
@@ -277,6 +300,21 @@ def warm_start_line(runs) -> str:
                "is not every run's." if mixed else "."))
 
 
+def machines_line(runs) -> str:
+    """Which CPU ran each run's final evaluation (machine.json's last entry), and the A − X pairs
+    of a seed whose final evaluations ran on different CPUs (their per-question differences then
+    include the hardware's, docs/smol.md)."""
+    last = {k: r["machine"][-1] if r.get("machine") else "not recorded" for k, r in runs.items()}
+    kinds = sorted(set(last.values()))
+    parts = [f"M{i + 1} = {m}: " + ", ".join(f"{v}-s{s}" for (v, s) in sorted(runs)
+                                              if last[v, s] == m) for i, m in enumerate(kinds)]
+    split = [f"{v}-s{s}" for (v, s) in sorted(runs) if v != "mpo" and ("mpo", s) in runs
+             and "not recorded" not in (last[v, s], last["mpo", s]) and last[v, s] != last["mpo", s]]
+    return ("Final evaluations by CPU: " + "; ".join(parts) + "."
+            + (f" **Evaluated on another CPU than A of their seed: {', '.join(split)}.**"
+               if split else ""))
+
+
 def report(args) -> str:
     runs = load(args.results)
     comps = comparisons(runs)
@@ -284,7 +322,7 @@ def report(args) -> str:
         f"Runs: {len(runs)} ({', '.join(f'{v}-s{s}' for v, s in sorted(runs))}); "
         "validation: greedy exact match on each seed's 200 questions.",
         "### Gains over the warm-started model\n\n" + gains_table(runs) + "\n\n"
-        + warm_start_line(runs),
+        + warm_start_line(runs) + "\n\n" + machines_line(runs),
         "### Paired differences from A (final evaluation)\n\n" + paired_table(comps)
         + "\n\n" + power(comps),
         "### Mechanism gates\n\n" + gates_table(runs)])

@@ -210,6 +210,7 @@ def test_run_one_records_the_starting_weights_and_report_flags_a_seed_that_mixes
     st.run_one("mpo", 1, args, ["--steps", "5"])                      # the same weights again
     one, two = (hashlib.sha256(b).hexdigest() for b in (b"weights one", b"weights two"))
     assert json.loads((args.results / "mpo-s1" / "warm_start.json").read_text()) == [one, two]
+    assert json.loads((args.results / "mpo-s1" / "machine.json").read_text()) == [st.machine()]
 
     runs = {("mpo", 1): {"warm": [one]}, ("mpo_token_is", 1): {"warm": [one]},
             ("mpo", 0): {"warm": []}}
@@ -220,3 +221,23 @@ def test_run_one_records_the_starting_weights_and_report_flags_a_seed_that_mixes
     assert "**Seeds 1 mix starting weights**" in st.warm_start_line(runs)
     assert st.warm_start_line({("mpo", 0): {"warm": []}}) == (
         "Starting weights: not recorded for any run.")
+
+
+def test_machine_names_the_cpu_and_its_bf16_units_and_report_flags_pairs_across_cpus(tmp_path):
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nmodel name\t: Intel(R) Xeon(R) Processor\n"
+                    "flags\t\t: fpu avx512f avx512_bf16 amx_tile amx_bf16\n")
+    assert st.machine(info) == "Intel(R) Xeon(R) Processor [amx_bf16 avx512_bf16]"
+    info.write_text("model name\t: AMD EPYC\nflags\t\t: fpu avx2\n")
+    assert st.machine(info) == "AMD EPYC [no bf16 units]"
+    assert st.machine(tmp_path / "absent") == "unknown"
+
+    runs = {("mpo", 1): {"machine": ["X", "Y"]}, ("mpo_token_is", 1): {"machine": ["Y"]},
+            ("mpo_beta0", 1): {"machine": ["X"]}, ("mpo", 0): {}, ("mpo_token_is", 0): {}}
+    line = st.machines_line(runs)                # the last entry ran the final evaluation
+    assert line.startswith("Final evaluations by CPU: M1 = X: mpo_beta0-s1; "
+                           "M2 = Y: mpo-s1, mpo_token_is-s1; "
+                           "M3 = not recorded: mpo-s0, mpo_token_is-s0.")
+    assert line.endswith("**Evaluated on another CPU than A of their seed: mpo_beta0-s1.**")
+    runs["mpo_beta0", 1]["machine"] = ["Y"]
+    assert "another CPU" not in st.machines_line(runs)
