@@ -252,12 +252,18 @@ def power(comps: list[dict], x: str = "mpo_token_is") -> str:
 def gates_table(runs) -> str:
     """Per run: is each mechanism active? Means over the policy-update steps (after the critic
     warm-up); the critic's explained variance against its targets and against the outcome R(τ)
-    (logged from `3b624ab` on: – before), over its first and last 5 steps."""
-    lines = ["| run | EV first 5 → last 5 | EV vs R(τ) first 5 → last 5 | turn clip frac | sd log ρ_turn | within-turn adv share "
-             "| tokens/turn | turns | malformed step 0 → end |", "|---" * 9 + "|"]
+    (logged from `3b624ab` on: – before), over its first and last 5 steps. A batch whose 16
+    episodes all fail has R(τ) = 0 everywhere, yet its whitened advantages still have unit
+    spread: with a critic, they are its TD noise (GRPO's are 0). Such policy steps are counted,
+    and the within-turn share of advantage variance is shown apart on them ("R > 0 / R = 0")."""
+    lines = ["| run | EV first 5 → last 5 | EV vs R(τ) first 5 → last 5 | turn clip frac "
+             "| sd log ρ_turn | policy steps with R = 0 | within-turn adv share, R > 0 / R = 0 "
+             "| tokens/turn | turns | malformed step 0 → end |", "|---" * 10 + "|"]
     for (v, s), r in sorted(runs.items(), key=lambda kv: (list(LABELS).index(kv[0][0]), kv[0][1])):
         rows, warm = r["rows"], r["cfg"].get("critic_warmup_steps", 0)
         live = [x for x in rows if x["step"] > warm]
+        zero = [x for x in live if x.get("train/reward") == 0]
+        some = [x for x in live if x.get("train/reward", 0) > 0]
 
         def avg(key, rs=live):
             xs = [x[key] for x in rs if key in x and x[key] is not None and math.isfinite(x[key])]
@@ -270,10 +276,12 @@ def gates_table(runs) -> str:
         mal = (f"{100 * statistics.mean(x.get('malformed', False) for x in ev0.values()):.0f}% → "
                f"{100 * statistics.mean(x.get('malformed', False) for x in evN.values()):.0f}%"
                if ev0 else "–")
+        share = f"{avg('adv/within_turn_share', some):.3f} / {avg('adv/within_turn_share', zero):.3f}"
         lines.append(f"| {v}-s{s} | {first_last('critic/explained_variance')} | "
                      f"{first_last('critic/ev_outcome')} | "
                      f"{avg('loss/turn_clip_frac'):.3f} | {avg('loss/turn_log_ratio_std'):.3f} | "
-                     f"{avg('adv/within_turn_share'):.3f} | {avg('train/tokens_per_turn', rows):.1f} | "
+                     f"{len(zero)} of {len(live)} | {share} | "
+                     f"{avg('train/tokens_per_turn', rows):.1f} | "
                      f"{avg('train/turns', rows):.2f} | {mal} |")
     return "\n".join(lines)
 
