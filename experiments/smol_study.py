@@ -5,6 +5,7 @@ every table of its report, recomputed from the committed raw outcomes.
     python experiments/smol_study.py run abc --seeds 4 5 6 7   # more seeds of A, B, C
     python experiments/smol_study.py run baselines             # PPO, GRPO x seeds 0-3
     python experiments/smol_study.py report                    # tables (stdout and --out)
+    python experiments/smol_study.py diff A.jsonl B.jsonl      # two evaluations, per question
 
 Runs go one at a time (each uses both cores), in run folders under --runs (train_min's own:
 checkpoints every 2 steps, so a killed run loses at most 2 steps). A run that finished is skipped,
@@ -340,6 +341,23 @@ def report(args) -> str:
     return text
 
 
+def eval_diff(a: Path, b: Path) -> str:
+    """Two evaluations' per-question files (eval/step_*.jsonl) compared on their common question
+    ids: identical episodes (every logged field equal), outcomes solved in one only, answers that
+    differ. Used to measure how much greedy evaluation of the same model moves between machines
+    or thread counts (docs/smol.md)."""
+    xa, xb = ({x["id"]: x for x in read_jsonl(f)} for f in (a, b))
+    ids = sorted(xa.keys() & xb.keys())
+    if not ids:
+        raise ValueError(f"{a} and {b} share no question id")
+    only_a = sum(solved(xa[q]) and not solved(xb[q]) for q in ids)
+    only_b = sum(solved(xb[q]) and not solved(xa[q]) for q in ids)
+    return (f"{len(ids)} questions: identical episodes {sum(xa[q] == xb[q] for q in ids)}, "
+            f"solved {sum(solved(xa[q]) for q in ids)} / {sum(solved(xb[q]) for q in ids)}, "
+            f"solved by the first only {only_a}, by the second only {only_b}, different answers "
+            f"{sum(xa[q].get('answer') != xb[q].get('answer') for q in ids)}")
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -349,6 +367,8 @@ def main(argv=None) -> None:
     r.add_argument("--variants", nargs="+", choices=sorted(LABELS), help="default: the stage's")
     rep = sub.add_parser("report", help="tables from the committed results")
     rep.add_argument("--out", type=Path, default=ROOT / "docs" / "smol" / "hops_tables.md")
+    dif = sub.add_parser("diff", help="two evaluations' per-question files compared")
+    dif.add_argument("files", type=Path, nargs=2)
     for q in (r, rep):
         q.add_argument("--results", type=Path, default=ROOT / "experiments" / "results" / "smol_hops")
     r.add_argument("--runs", type=Path, default=ROOT / "runs" / "smol-hops")
@@ -358,6 +378,8 @@ def main(argv=None) -> None:
     try:                                         # bad results: one line naming the path
         if args.cmd == "run":
             run(args, extra)
+        elif args.cmd == "diff":
+            print(eval_diff(*args.files))
         else:
             print(report(args))
     except ValueError as e:

@@ -246,3 +246,18 @@ def test_machine_names_the_cpu_and_its_bf16_units_and_report_flags_pairs_across_
     assert line.endswith("**Evaluated on another CPU than A of their seed: mpo_beta0-s1.**")
     runs["mpo_beta0", 1]["machine"] = ["Y"]
     assert "another CPU" not in st.machines_line(runs)
+
+
+def test_eval_diff_counts_identical_episodes_and_flips_on_common_questions(tmp_path, capsys):
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    write_jsonl(a, outcomes({0, 1, 2}))
+    rows = outcomes({1, 2, 5})                   # 0 lost, 5 gained; one answer changed
+    rows[7]["answer"] = "y"
+    write_jsonl(b, rows[:9])                     # question 9 is not in b
+    assert st.eval_diff(a, b) == ("9 questions: identical episodes 6, solved 3 / 3, solved by "
+                                  "the first only 1, by the second only 1, different answers 1")
+    st.main(["diff", str(a), str(b)])
+    assert capsys.readouterr().out.startswith("9 questions: identical episodes 6")
+    write_jsonl(b, [{**outcomes(set())[0], "id": "other"}])
+    with pytest.raises(SystemExit, match="share no question id"):
+        st.main(["diff", str(a), str(b)])
