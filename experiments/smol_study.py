@@ -215,7 +215,8 @@ def comparisons(runs, ref: str = "mpo") -> list[dict]:
         pairs = [(fa[q], fx[q]) for fa, fx in zip(a, x) for q in fa.keys() & fx.keys()]
         b = sum(solved(qa) and not solved(qx) for qa, qx in pairs)      # A right, X wrong
         c = sum(solved(qx) and not solved(qa) for qa, qx in pairs)      # X right, A wrong
-        comps.append({"variant": v, "seeds": seeds, "d": [em(fa) - em(fx) for fa, fx in zip(a, x)],
+        comps.append({"variant": v, "seeds": seeds, "n_pairs": len(pairs),
+                      "d": [em(fa) - em(fx) for fa, fx in zip(a, x)],
                       **grid.paired_t([em(f) for f in a], [em(f) for f in x]), "b": b, "c": c,
                       "p_mcnemar": stats.binomtest(b, b + c, 0.5).pvalue if b + c else 1.0})
     tested = [c for c in comps if math.isfinite(c["p"])]
@@ -245,9 +246,19 @@ def power(comps: list[dict], x: str = "mpo_token_is") -> str:
                 f"({n} paired seed{'' if n == 1 else 's'}, σ_d needs at least 2).")
     sd = statistics.stdev(c["d"])
     need = math.ceil((2 * sd / 3) ** 2)
-    return (f"Seeds for a 3-point A − B difference at 2 SE: σ_d = {sd:.1f} points over {c['n']} "
+    text = (f"Seeds for a 3-point A − B difference at 2 SE: σ_d = {sd:.1f} points over {c['n']} "
             f"seeds, ⌈(2σ_d / 3)²⌉ = {need}" + (f" (cap {MAX_SEEDS})" if need > MAX_SEEDS else "")
             + ".")
+    if "n_pairs" not in c:
+        return text
+    # σ_d from a few seeds is itself noisy. The discordant questions give a second estimate:
+    # with no true difference, one seed's A − B = (b_s − c_s)/Q has variance (b_s + c_s)/Q².
+    per_seed, q = (c["b"] + c["c"]) / c["n"], c["n_pairs"] / c["n"]
+    sd_q = 100 * math.sqrt(per_seed) / q
+    return (text + f" From the discordant questions ({per_seed:.1f} per seed of {q:.0f}), one "
+            f"seed's difference has a sampling SD of 100·√{per_seed:.1f}/{q:.0f} = {sd_q:.1f} "
+            f"points: ⌈(2·{sd_q:.1f}/3)²⌉ = {math.ceil((2 * sd_q / 3) ** 2)} seeds for 3 points, "
+            f"⌈(2·{sd_q:.1f}/1)²⌉ = {math.ceil((2 * sd_q) ** 2)} for 1 point.")
 
 
 def gates_table(runs) -> str:

@@ -109,8 +109,12 @@ def test_power_sigma_d_and_seeds_needed(results):
     sd = math.sqrt(500 / 3)                      # σ_d of 20, 10, 0, 30
     need = math.ceil((2 * sd / 3) ** 2)
     assert need == 75
+    # 9 + 3 discordant questions over 4 seeds of 10: 3 per seed, SD 100·√3/10 = 17.3 points
     assert st.power(comps) == (f"Seeds for a 3-point A − B difference at 2 SE: σ_d = {sd:.1f} "
-                               f"points over 4 seeds, ⌈(2σ_d / 3)²⌉ = 75 (cap 8).")
+                               f"points over 4 seeds, ⌈(2σ_d / 3)²⌉ = 75 (cap 8). From the "
+                               f"discordant questions (3.0 per seed of 10), one seed's difference "
+                               f"has a sampling SD of 100·√3.0/10 = 17.3 points: ⌈(2·17.3/3)²⌉ "
+                               f"= 134 seeds for 3 points, ⌈(2·17.3/1)²⌉ = 1200 for 1 point.")
     one = st.power([{"variant": "mpo_token_is", "n": 3, "d": [0.0, 3.0, 6.0]}])    # σ_d 3
     assert one.endswith("σ_d = 3.0 points over 3 seeds, ⌈(2σ_d / 3)²⌉ = 4.")
     assert "not estimated (1 paired seed," in st.power([{"variant": "mpo_token_is", "n": 1,
