@@ -102,6 +102,10 @@ class Config:
     vapo_value_steps: int = arg(50, "VAPO: first N updates train the critic only (VAPO: 50)")
     critic_warmup_steps: int = arg(0, "first N updates train the critic only, so it predicts "
                                    "before its values shape advantages (ignored without a critic)")
+    skip_equal_rewards: bool = arg(False, "no policy update on a batch whose episodes all score "
+                                   "the same (the critic still trains): whitening would give its "
+                                   "advantages, TD noise of a critic that does not predict, unit "
+                                   "spread (docs/smol.md); GRPO's are 0 there by construction")
     clip_eps: float = arg(0.2, "ε of the clipped surrogate")
     clip_eps_high: float = arg(0.28, "upper clip (clip-higher, DAPO); = clip_eps for symmetric")
     dual_clip: float = arg(3.0, "c: loss of A < 0 terms capped at c|A|, every ratio level (0: off)")
@@ -592,6 +596,8 @@ def update(model, value_head, opt, batch, cfg: Config) -> dict[str, float]:
                      else (cfg.clip_eps, cfg.clip_eps_high))     # GSPO clips a sequence ratio
     loss_keys = ("policy_loss", "value_loss", "kl_base")   # already minibatch token means
     train_policy = batch.get("step", 0) >= cfg.critic_only_steps   # warm-up, VAPO pretraining
+    if cfg.skip_equal_rewards and bool((batch["scores"] == batch["scores"][0]).all()):
+        train_policy = False            # R(τ) the same for all: no signal but the critic's noise
     totals, n_minibatches = {}, 0
     params = [p for g in opt.param_groups for p in g["params"]]
     for _ in range(cfg.ppo_epochs):
@@ -621,7 +627,8 @@ def update(model, value_head, opt, batch, cfg: Config) -> dict[str, float]:
             opt.step()
             totals["grad_norm"] = totals.get("grad_norm", 0.0) + float(grad_norm)
             n_minibatches += 1
-    return {name: total / n_minibatches for name, total in totals.items()}
+    return {**{name: total / n_minibatches for name, total in totals.items()},
+            "policy_updated": float(train_policy)}
 
 
 # --- Evaluation (logging, checkpoints: run_utils.py) -------------------------------------------

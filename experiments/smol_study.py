@@ -267,13 +267,15 @@ def gates_table(runs) -> str:
     (logged from `3b624ab` on: – before), over its first and last 5 steps. A batch whose 16
     episodes all fail has R(τ) = 0 everywhere, yet its whitened advantages still have unit
     spread: with a critic, they are its TD noise (GRPO's are 0). Such policy steps are counted,
-    and the within-turn share of advantage variance is shown apart on them ("R > 0 / R = 0")."""
+    and the within-turn share of advantage variance is shown apart on them ("R > 0 / R = 0").
+    Steps that made no policy update (`--skip_equal_rewards`: loss/policy_updated 0) are not
+    policy steps."""
     lines = ["| run | EV first 5 → last 5 | EV vs R(τ) first 5 → last 5 | turn clip frac "
              "| sd log ρ_turn | policy steps with R = 0 | within-turn adv share, R > 0 / R = 0 "
              "| tokens/turn | turns | malformed step 0 → end |", "|---" * 10 + "|"]
     for (v, s), r in sorted(runs.items(), key=lambda kv: (list(LABELS).index(kv[0][0]), kv[0][1])):
         rows, warm = r["rows"], r["cfg"].get("critic_warmup_steps", 0)
-        live = [x for x in rows if x["step"] > warm]
+        live = [x for x in rows if x["step"] > warm and x.get("loss/policy_updated", 1.0)]
         zero = [x for x in live if x.get("train/reward") == 0]
         some = [x for x in live if x.get("train/reward", 0) > 0]
 

@@ -190,6 +190,15 @@ def test_gates_table_shows_each_critic_gate_over_the_first_and_last_five_steps(r
     assert mpo_s0[1] == "+0.30 → +0.60" and mpo_s0[2] == "–"     # steps 1-5, 4-8; not logged: –
     # critic warm-up 1 step: policy steps 2-8, of which 3, 4, 6 had R = 0; shares (2+5+7+8)/400
     assert mpo_s0[5] == "3 of 7" and mpo_s0[6] == "0.055 / 0.900"
+    write_jsonl(results / "mpo-s0" / "metrics.jsonl",   # --skip_equal_rewards: steps 4 and 6
+                [{"step": s, "critic/explained_variance": s / 10,   # made no policy update
+                  "train/reward": 0.0 if s in (3, 4, 6) else 0.25,
+                  "adv/within_turn_share": 0.9 if s in (3, 4, 6) else s / 100,
+                  "loss/policy_updated": 0.0 if s in (4, 6) else 1.0}
+                 for s in range(1, 9)])
+    skipped = next(x for x in st.gates_table(st.load(results)).splitlines()
+                   if x.startswith("| mpo-s0 |")).split(" | ")
+    assert skipped[5] == "1 of 5" and skipped[6] == "0.055 / 0.900"
     b_s1 = next(x for x in table if x.startswith("| mpo_token_is-s1 |")).split(" | ")
     assert b_s1[2] == "-0.50 → -0.50"
     assert len(table[0].split(" | ")) == len(mpo_s0)                           # one cell a column

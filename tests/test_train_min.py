@@ -889,3 +889,36 @@ def test_critic_only_steps_train_only_the_critic_then_the_policy(fresh, hand_bat
     with pytest.raises(ValueError, match="--critic_warmup_steps 4 leaves no policy update in --steps 4"):
         make_cfg(tiny_path, base, "--critic_warmup_steps", "4")
     assert make_cfg(tiny_path, base, "--critic_warmup_steps", "2", "--variant", "grpo").critic_warmup_steps == 0
+
+
+def test_skip_equal_rewards_leaves_the_policy_still_on_a_batch_that_all_scored_the_same(
+        fresh, hand_batch, tiny_path, base):
+    """--skip_equal_rewards: a batch whose episodes all have the same reward trains the critic
+    only (its whitened advantages would be the critic's TD noise at unit spread); a batch with
+    two rewards trains both; without the flag both train both. `policy_updated` says which."""
+    tok, model, value_head = fresh
+    ids, attn, turn_ids = hand_batch
+    act = turn_ids >= 0
+    g = torch.Generator().manual_seed(5)
+    advantages = torch.where(act, torch.randn(ids.shape, generator=g), 0.0)
+    returns = torch.where(act, torch.randn(ids.shape, generator=g), 0.0)
+
+    def snapshot(tag):
+        return {n: p.detach().clone() for n, p in model.named_parameters() if f".{tag}." in n}
+    for flags, scores, policy_moves in (((), (0.0, 0.0), True),
+                                        (("--skip_equal_rewards",), (0.0, 0.0), False),
+                                        (("--skip_equal_rewards",), (1.0, 1.0), False),
+                                        (("--skip_equal_rewards",), (0.0, 1.0), True)):
+        c = make_cfg(tiny_path, base, *flags, "--minibatches", "1")
+        batch = {"ids": ids, "attn": attn, "turn_ids": turn_ids, "step": 0,
+                 "scores": torch.tensor(scores)}
+        train_min.score_batch(model, value_head, batch, c)
+        batch["advantages"], batch["returns"] = advantages, returns
+        opt = train_min.make_optimizer(model, value_head, c)
+        before_pi, before_v = snapshot("policy"), snapshot("critic")
+        stats = train_min.update(model, value_head, opt, batch, c)
+        moved_pi = any(not torch.equal(p, before_pi[n]) for n, p in snapshot("policy").items())
+        moved_v = any(not torch.equal(p, before_v[n]) for n, p in snapshot("critic").items())
+        assert moved_v and moved_pi == policy_moves, (flags, scores)
+        assert stats["policy_updated"] == float(policy_moves)
+        assert ("policy_loss" in stats) == policy_moves and stats["value_loss"] > 0
