@@ -52,7 +52,8 @@ def flags_for(saved: dict, train_min, run_utils) -> list[str]:
     default = train_min.parse_config(base + ["--out_dir", "unused"])
     extra = []
     for f in fields(default):
-        if not f.init or f.name in run_utils.RESUME_MAY_CHANGE or f.name in ("model",):
+        if not f.init or f.name in run_utils.RESUME_MAY_CHANGE or (
+                f.name == "model" and saved["preset"] != "default"):    # a preset derives it
             continue
         if f.name in saved and saved[f.name] != getattr(default, f.name):
             extra += [f"--{f.name}", str(saved[f.name]).lower() if isinstance(saved[f.name], bool)
@@ -98,12 +99,13 @@ def main(argv=None) -> dict:
             "--eval_every", str(10 ** 6), "--save_every", str(a.to_step)]
         if a.cpu_threads:
             argv_t += ["--cpu_threads", str(a.cpu_threads)]
+        original_evaluate = train_min.evaluate
         train_min.train_step = recording_step
         train_min.evaluate = lambda *args, **kw: {}          # the record, not a validation
         try:
             train_min.main(argv_t)
         finally:
-            train_min.train_step = original_step
+            train_min.train_step, train_min.evaluate = original_step, original_evaluate
         mine = out / "checkpoints" / f"step_{a.to_step:06d}"
         theirs = a.run / "checkpoints" / f"step_{a.to_step:06d}"
         if theirs.exists():

@@ -606,6 +606,34 @@ def test_resume_reproduces_an_uninterrupted_run_exactly(e2e, full_run, base, par
         assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa), part
 
 
+def test_replay_steps_records_the_run_s_own_updates_from_a_checkpoint(e2e, full_run, base):
+    """experiments/replay_steps.py resumes a run from its step-2 checkpoint in a scratch folder:
+    the replayed weights equal the run's step-4 checkpoint, and the recorded advantages are the
+    whitened ones the update used (token-weighted mean 0 over the batch), one entry per turn."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("replay_steps", ROOT / "experiments" / "replay_steps.py")
+    replay = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(replay)
+    out_file = base / "replay" / "r.json"
+    run, _ = full_run
+    record = replay.main([str(run), "--from_step", "2", "--to_step", "4", "--out", str(out_file)])
+    assert json.loads(out_file.read_text()) == record
+    assert record["same_as_run"] is True
+    assert [s["step"] for s in record["steps"]] == [3, 4]
+    cfg = json.loads((run / "config.json").read_text())
+    for s in record["steps"]:
+        eps = s["episodes"]
+        assert len(eps) == cfg["questions_per_step"] * cfg["n_rollouts"] and s["policy_updated"] == 1.0
+        assert all(len(e["per_turn"]) == e["turns"] and 0.0 <= e["reward"] <= 1.0 for e in eps)
+        tokens = sum(t["tokens"] for e in eps for t in e["per_turn"])
+        mean = sum(t["adv"] * t["tokens"] for e in eps for t in e["per_turn"]) / tokens
+        assert abs(mean) < 1e-3                                   # rounded to 4 places per turn
+    assert not (run / "checkpoints" / "step_000003").exists()     # the run's folder is untouched
+    assert train_min.evaluate.__name__ == "evaluate"              # train_min restored
+    with pytest.raises(SystemExit):
+        replay.main([str(run), "--from_step", "3", "--to_step", "4", "--out", str(out_file)])
+
+
 def test_same_seed_gives_the_same_run_whether_or_not_the_tiny_model_was_cached(e2e, base, monkeypatch):
     monkeypatch.setenv("MPO_CACHE", str(base / "cold-cache"))    # a cache miss: this run builds the model
     args = ["--preset", "tiny", "--steps", "1", "--eval_every", "1"]
