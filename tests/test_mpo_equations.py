@@ -544,3 +544,28 @@ def test_mpo_advantages_never_synchronises_without_validation_given_num_turns(cr
         torch.cuda.set_sync_debug_mode("default")
     for g, e in zip(got, expected):
         close(g.cpu(), e, atol=1e-10)
+
+
+@pytest.mark.parametrize("c", [0.05, 0.15, 0.6])
+def test_all_failed_batch_with_a_constant_critic_whitens_to_first_turns_up_last_turn_down(c):
+    """docs/smol.md (the smol_hops pilot, finding 4): R = 0 everywhere and V = c > 0 on every
+    action token give turn k of a K-turn episode -c lam^(K-1-k) before whitening; whitening over
+    the batch removes c. Three turns of 6 tokens, lam = 0.8, beta = 0: +1.17, +0.09, -1.27 per
+    turn for every c; beta = 1 keeps the turn means before whitening and adds within-turn
+    variation to the last turn, so a little less: +1.12, +0.09, -1.21."""
+    one = []
+    for k in range(3):
+        one += [k] * 6 + ([-1, -1] if k < 2 else [])
+    tid = torch.tensor([one] * 16)                                              # (16, 22)
+    values = torch.where(tid >= 0, c, 0.0).double()
+    means = {}
+    for beta in (0.0, 1.0):
+        adv, _ = mpo.mpo_advantages(torch.zeros_like(values), values, tid, lam=0.8,
+                                    lam_intra=0.95, beta=beta, critic_target="lambda_return")
+        means[beta] = [float(adv[tid == k].mean()) for k in range(3)]
+    # by hand (beta = 0): deviations from the mean (0.64 + 0.8 + 1)/3 of -c: +0.17333, +0.01333,
+    # -0.18667 (times c); their unbiased SD over the 288 tokens sqrt(96 * 0.065067 / 287) = 0.147527
+    assert means[0.0] == pytest.approx([0.17333 / 0.147527, 0.01333 / 0.147527,
+                                        -0.18667 / 0.147527], abs=1e-3)
+    assert [round(m, 2) for m in means[0.0]] == [1.17, 0.09, -1.27]
+    assert [round(m, 2) for m in means[1.0]] == [1.12, 0.09, -1.21]
