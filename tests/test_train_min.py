@@ -881,6 +881,16 @@ def test_gate_critic_explained_variance_against_targets_and_against_the_outcome(
     assert run_utils.critic_gates(batch)["critic/ev_outcome"] == pytest.approx(-3.0)
 
 
+def adapter_weights(model, tag: str) -> dict[str, torch.Tensor]:
+    """A copy of one adapter's weights ("policy" or "critic")."""
+    return {n: p.detach().clone() for n, p in model.named_parameters() if f".{tag}." in n}
+
+
+def moved(model, before: dict[str, torch.Tensor], tag: str) -> bool:
+    """Did any weight of the adapter change since `before` (adapter_weights)?"""
+    return any(not torch.equal(p, before[n]) for n, p in adapter_weights(model, tag).items())
+
+
 @pytest.mark.parametrize("flags", [("--critic_warmup_steps", "2"),
                                    ("--variant", "vapo", "--vapo_value_steps", "2")])
 def test_critic_only_steps_train_only_the_critic_then_the_policy(fresh, hand_batch, tiny_path, base,
@@ -900,14 +910,11 @@ def test_critic_only_steps_train_only_the_critic_then_the_policy(fresh, hand_bat
     batch["returns"] = torch.where(act, torch.randn(ids.shape, generator=g), 0.0)
     opt = train_min.make_optimizer(model, value_head, c)
 
-    def snapshot(tag):
-        return {n: p.detach().clone() for n, p in model.named_parameters() if f".{tag}." in n}
     for step, policy_moves in ((0, False), (1, False), (2, True)):
-        before_pi, before_v = snapshot("policy"), snapshot("critic")
+        before_pi, before_v = adapter_weights(model, "policy"), adapter_weights(model, "critic")
         batch["step"] = step
         stats = train_min.update(model, value_head, opt, batch, c)
-        moved_pi = any(not torch.equal(p, before_pi[n]) for n, p in snapshot("policy").items())
-        moved_v = any(not torch.equal(p, before_v[n]) for n, p in snapshot("critic").items())
+        moved_pi, moved_v = moved(model, before_pi, "policy"), moved(model, before_v, "critic")
         assert moved_v and moved_pi == policy_moves, step
         assert ("policy_loss" in stats) == policy_moves and stats["value_loss"] > 0
     policy = next(p for n, p in model.named_parameters() if ".policy." in n and "lora_B" in n)
@@ -931,8 +938,6 @@ def test_skip_equal_rewards_leaves_the_policy_still_on_a_batch_that_all_scored_t
     advantages = torch.where(act, torch.randn(ids.shape, generator=g), 0.0)
     returns = torch.where(act, torch.randn(ids.shape, generator=g), 0.0)
 
-    def snapshot(tag):
-        return {n: p.detach().clone() for n, p in model.named_parameters() if f".{tag}." in n}
     for flags, scores, policy_moves in (((), (0.0, 0.0), True),
                                         (("--skip_equal_rewards",), (0.0, 0.0), False),
                                         (("--skip_equal_rewards",), (1.0, 1.0), False),
@@ -943,10 +948,9 @@ def test_skip_equal_rewards_leaves_the_policy_still_on_a_batch_that_all_scored_t
         train_min.score_batch(model, value_head, batch, c)
         batch["advantages"], batch["returns"] = advantages, returns
         opt = train_min.make_optimizer(model, value_head, c)
-        before_pi, before_v = snapshot("policy"), snapshot("critic")
+        before_pi, before_v = adapter_weights(model, "policy"), adapter_weights(model, "critic")
         stats = train_min.update(model, value_head, opt, batch, c)
-        moved_pi = any(not torch.equal(p, before_pi[n]) for n, p in snapshot("policy").items())
-        moved_v = any(not torch.equal(p, before_v[n]) for n, p in snapshot("critic").items())
+        moved_pi, moved_v = moved(model, before_pi, "policy"), moved(model, before_v, "critic")
         assert moved_v and moved_pi == policy_moves, (flags, scores)
         assert stats["policy_updated"] == float(policy_moves)
         assert ("policy_loss" in stats) == policy_moves and stats["value_loss"] > 0
