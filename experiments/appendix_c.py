@@ -1,7 +1,7 @@
 """Appendix C as a command: the critic's turn structure (§1, §3, §9) for every saved checkpoint of
 one or more runs, all on one fixed set of trajectories, next to the paper's numbers.
 
-    python experiments/appendix_c.py RUN [RUN ...] [--episodes 4] [--fresh]
+    python experiments/appendix_c.py RUN [RUN ...] [--episodes 4] [--fresh] [--last]
 
 Trajectories: sampled once, by the policy of the first run's latest checkpoint, on that run's
 validation tasks (--episodes per task, seed 10000 + the run's seed). Every checkpoint of every
@@ -11,6 +11,9 @@ critic adapter at its initialisation (LoRA B = 0) and a value head drawn with to
 nn.Linear initialisation (seed 0): the structure the base model's hidden states alone give,
 the check §9 asks for (the trained critic against one that learned nothing). Pass a PPO run
 next to an MPO run (same preset) to compare the two critics on the same trajectories.
+
+--last scores only each run's latest checkpoint (the final critics, the §9 check on what
+training ended with) instead of every saved one: one scoring pass per run, no pooled row.
 
 Prints, per critic, the five statistics of `mpo.turn_value_structure` in percent, the rows
 they use and the critic's explained variance against the outcome R(τ), every action token's
@@ -67,6 +70,8 @@ def main(argv=None) -> str:
     ap.add_argument("runs", type=Path, nargs="+", help="run folders (train_min.py out_dir)")
     ap.add_argument("--episodes", type=int, default=4, help="episodes per validation task")
     ap.add_argument("--fresh", action="store_true", help="add a freshly initialised critic")
+    ap.add_argument("--last", action="store_true",
+                    help="score only each run's latest checkpoint (default: every saved one)")
     args = ap.parse_args(argv)
     if args.episodes < 1:
         raise SystemExit("appendix_c.py: --episodes must be >= 1")
@@ -91,6 +96,10 @@ def main(argv=None) -> str:
                              f"not {cfg0.model} / {cfg0.preset}")
         _, model, value_head = tm.load_model(cfg, device)
         ckpts = sorted((run / "checkpoints").glob("step_*"))
+        if not ckpts:
+            raise SystemExit(f"appendix_c.py: {run} has no checkpoint")
+        if args.last:
+            ckpts = ckpts[-1:]
         pooled = []
         for ckpt in ckpts:
             run_utils.load_checkpoint(ckpt, model, value_head, None, restore_rng=False)

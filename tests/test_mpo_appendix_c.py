@@ -51,3 +51,27 @@ def test_appendix_c_command_scores_every_checkpoint_on_one_set_of_trajectories(r
     assert max(n_rows[:2] + n_rows[3:]) <= 32                        # one critic: <= 32 rows
     assert n_rows[2] == n_rows[0] + n_rows[1]                        # pooled: both checkpoints
     assert mpo.PAPER_TURN_VALUE_STRUCTURE["n_turns"] == 16323
+
+
+def test_appendix_c_last_scores_only_the_final_checkpoints_with_the_same_numbers(runs):
+    import appendix_c
+    full = appendix_c.main([str(runs / "mpo"), str(runs / "ppo"), "--episodes", "1"])
+    last = appendix_c.main([str(runs / "mpo"), str(runs / "ppo"), "--episodes", "1", "--last"])
+    rows = {r.split(" | ")[0][2:]: r for r in full.splitlines() if r.startswith("| ")}
+    last_rows = [r for r in last.splitlines() if r.startswith("| ") and "critic |" not in r]
+    names = [r.split(" | ")[0][2:] for r in last_rows]
+    assert names == [f"{runs / 'mpo'} step_000002", f"{runs / 'ppo'} step_000002",
+                     "paper (Appendix C)"]
+    for name, r in zip(names, last_rows):                 # same trajectories, same critic, same row
+        assert r == rows[name]
+
+
+def test_appendix_c_refuses_a_run_without_checkpoints(runs, tmp_path):
+    import shutil
+
+    import appendix_c
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copy(runs / "ppo" / "config.json", bare / "config.json")
+    with pytest.raises(SystemExit, match="has no checkpoint"):
+        appendix_c.main([str(runs / "mpo"), str(bare), "--episodes", "1", "--last"])
