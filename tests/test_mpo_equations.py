@@ -569,3 +569,34 @@ def test_all_failed_batch_with_a_constant_critic_whitens_to_first_turns_up_last_
                                         -0.18667 / 0.147527], abs=1e-3)
     assert [round(m, 2) for m in means[0.0]] == [1.17, 0.09, -1.27]
     assert [round(m, 2) for m in means[1.0]] == [1.12, 0.09, -1.21]
+
+
+@pytest.mark.parametrize("c", [0.05, 0.15, 0.6])
+def test_all_failed_batch_under_token_gae_puts_the_blame_on_the_last_tokens(c):
+    """docs/smol.md (the smol_hops baselines): the same all-failed batch under PPO's token GAE
+    (lambda = 0.95, gamma = 1). Token i of the episode, d tokens before its end, gets
+    -c 0.95^d before whitening, so at 36 tokens per turn (the preset's average) the answer turn's
+    last tokens carry almost all of it: after whitening the episode's final token gets -3.30
+    for every c and the two search turns +0.70 and +0.45 on average, the answer turn -1.15;
+    turn GAE (beta = 0) spreads the same batch as +1.18, +0.09, -1.27 per turn and gives every
+    token of a turn the same value."""
+    one = []
+    for k in range(3):
+        one += [k] * 36 + ([-1] * 5 if k < 2 else [])
+    tid = torch.tensor([one] * 16)                                              # (16, 118)
+    values = torch.where(tid >= 0, c, 0.0).double()
+    rewards = torch.zeros_like(values)
+    adv, _ = mpo.token_gae(rewards, values, tid >= 0, lam=0.95)
+    assert [round(float(adv[tid == k].mean()), 2) for k in range(3)] == [0.70, 0.45, -1.15]
+    last = adv[0][tid[0] == 2]                                                  # (36,)
+    assert round(float(last[-1]), 2) == -3.30 and round(float(last[0]), 2) == 0.07
+    # by hand: before whitening token d before the end is -c 0.95^d; whitening subtracts the
+    # mean over the batch's 16 x 108 tokens and divides by their SD (c cancels), so the last
+    # token is (-1 - mean(-0.95^d)) / sd(0.95^d) with d = 0..107, each d 16 times
+    d = torch.arange(108, dtype=torch.float64).repeat(16)
+    raw = -(0.95 ** d)
+    assert float(last[-1]) == pytest.approx(float((raw[0] - raw.mean()) / raw.std()), abs=1e-3)
+    adv0, _ = mpo.mpo_advantages(rewards, values, tid, lam=0.8, lam_intra=0.95, beta=0.0,
+                                 critic_target="lambda_return")
+    assert [round(float(adv0[tid == k].mean()), 2) for k in range(3)] == [1.18, 0.09, -1.27]
+    assert float(adv0[tid == 2].std()) < 1e-9                                  # flat within a turn
