@@ -269,10 +269,13 @@ def gates_table(runs) -> str:
     spread: with a critic, they are its TD noise (GRPO's are 0). Such policy steps are counted,
     and the within-turn share of advantage variance is shown apart on them ("R > 0 / R = 0").
     Steps that made no policy update (`--skip_equal_rewards`: loss/policy_updated 0) are not
-    policy steps."""
+    policy steps. "n/a": every step of the window had one reward for all its episodes, so no
+    explained variance exists there (a run that stopped solving anything). Truncated: greedy
+    validation episodes that reached the turn limit without an answer (a search loop)."""
     lines = ["| run | EV first 5 → last 5 | EV vs R(τ) first 5 → last 5 | turn clip frac "
              "| sd log ρ_turn | policy steps with R = 0 | within-turn adv share, R > 0 / R = 0 "
-             "| tokens/turn | turns | malformed step 0 → end |", "|---" * 10 + "|"]
+             "| tokens/turn | turns | malformed step 0 → end | truncated step 0 → end |",
+             "|---" * 11 + "|"]
     for (v, s), r in sorted(runs.items(), key=lambda kv: (list(LABELS).index(kv[0][0]), kv[0][1])):
         rows, warm = r["rows"], r["cfg"].get("critic_warmup_steps", 0)
         live = [x for x in rows if x["step"] > warm and x.get("loss/policy_updated", 1.0)]
@@ -285,18 +288,23 @@ def gates_table(runs) -> str:
         def first_last(key):
             if v == "grpo" or not any(key in x for x in rows):       # no critic, or not logged
                 return "–"
-            return f"{avg(key, rows[:5]):+.2f} → {avg(key, rows[-5:]):+.2f}"
+            ends = [avg(key, rows[:5]), avg(key, rows[-5:])]
+            return " → ".join(f"{x:+.2f}" if math.isfinite(x) else "n/a" for x in ends)
         ev0, evN = r["evals"].get(0, {}), final(r)
-        mal = (f"{100 * statistics.mean(x.get('malformed', False) for x in ev0.values()):.0f}% → "
-               f"{100 * statistics.mean(x.get('malformed', False) for x in evN.values()):.0f}%"
-               if ev0 else "–")
+
+        def start_end(key):
+            pct = [100 * statistics.mean(bool(x.get(key, False)) for x in e.values())
+                   for e in (ev0, evN)]
+            return f"{pct[0]:.0f}% → {pct[1]:.0f}%" if ev0 else "–"
+
         share = f"{avg('adv/within_turn_share', some):.3f} / {avg('adv/within_turn_share', zero):.3f}"
         lines.append(f"| {v}-s{s} | {first_last('critic/explained_variance')} | "
                      f"{first_last('critic/ev_outcome')} | "
                      f"{avg('loss/turn_clip_frac'):.3f} | {avg('loss/turn_log_ratio_std'):.3f} | "
                      f"{len(zero)} of {len(live)} | {share} | "
                      f"{avg('train/tokens_per_turn', rows):.1f} | "
-                     f"{avg('train/turns', rows):.2f} | {mal} |")
+                     f"{avg('train/turns', rows):.2f} | {start_end('malformed')} | "
+                     f"{start_end('truncated')} |")
     return "\n".join(lines)
 
 

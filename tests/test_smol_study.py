@@ -201,6 +201,18 @@ def test_gates_table_shows_each_critic_gate_over_the_first_and_last_five_steps(r
     assert skipped[5] == "1 of 5" and skipped[6] == "0.055 / 0.900"
     b_s1 = next(x for x in table if x.startswith("| mpo_token_is-s1 |")).split(" | ")
     assert b_s1[2] == "-0.50 → -0.50"
+    assert b_s1[-2] == "0% → 0%" and b_s1[-1] == "0% → 0% |"        # malformed, truncated
+    # a run that stopped solving: EV vs R(τ) is NaN on its last 5 of 8 steps (one reward for
+    # all), and 3 of its 10 final greedy episodes hit the turn limit
+    write_jsonl(d / "metrics.jsonl", [{"step": s, "critic/explained_variance": 0.1,
+                                       "critic/ev_outcome": -0.5 if s <= 3 else float("nan")}
+                                      for s in range(1, 9)])
+    ev = [json.loads(x) for x in (d / "eval" / f"step_{FINAL:04d}.jsonl").read_text().splitlines()]
+    write_jsonl(d / "eval" / f"step_{FINAL:04d}.jsonl",
+                [{**e, "truncated": e["index"] < 3} for e in ev])
+    b_s1 = next(x for x in st.gates_table(st.load(results)).splitlines()
+                if x.startswith("| mpo_token_is-s1 |")).split(" | ")
+    assert b_s1[2] == "-0.50 → n/a" and b_s1[-1] == "0% → 30% |"
     assert len(table[0].split(" | ")) == len(mpo_s0)                           # one cell a column
 
 
