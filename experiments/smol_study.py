@@ -292,10 +292,12 @@ def gates_table(runs) -> str:
             return " → ".join(f"{x:+.2f}" if math.isfinite(x) else "n/a" for x in ends)
         ev0, evN = r["evals"].get(0, {}), final(r)
 
-        def start_end(key):
+        def start_end(key):                                      # share of greedy episodes
+            if not ev0:
+                return "–"
             pct = [100 * statistics.mean(bool(x.get(key, False)) for x in e.values())
                    for e in (ev0, evN)]
-            return f"{pct[0]:.0f}% → {pct[1]:.0f}%" if ev0 else "–"
+            return f"{pct[0]:.0f}% → {pct[1]:.0f}%"
 
         share = f"{avg('adv/within_turn_share', some):.3f} / {avg('adv/within_turn_share', zero):.3f}"
         lines.append(f"| {v}-s{s} | {first_last('critic/explained_variance')} | "

@@ -214,6 +214,10 @@ def test_gates_table_shows_each_critic_gate_over_the_first_and_last_five_steps(r
                 if x.startswith("| mpo_token_is-s1 |")).split(" | ")
     assert b_s1[2] == "-0.50 → n/a" and b_s1[-1] == "0% → 30% |"
     assert len(table[0].split(" | ")) == len(mpo_s0)                           # one cell a column
+    write_run(results, "grpo", 5, {0})            # a seed without A's step-0 evaluation
+    lone = next(x for x in st.gates_table(st.load(results)).splitlines()
+                if x.startswith("| grpo-s5 |")).split(" | ")
+    assert lone[-2] == "–" and lone[-1] == "– |"
 
 
 
