@@ -154,8 +154,10 @@ def setup_device(cfg) -> torch.device:
     if cfg.cpu_threads:                 # tiny matmuls: thread hand-off costs more than it saves
         torch.set_num_threads(cfg.cpu_threads)
     if cfg.memory_cap_gb and device.type == "cuda":      # allocations beyond the cap raise OOM
-        total = torch.cuda.get_device_properties(device).total_memory / 2**30
-        torch.cuda.set_per_process_memory_fraction(min(1.0, cfg.memory_cap_gb / total), device)
+        index = torch.cuda.current_device() if device.index is None else device.index
+        total = torch.cuda.get_device_properties(index).total_memory / 2**30
+        # needs an index: a bare torch.device("cuda") raises ValueError (seen on torch 2.11)
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cfg.memory_cap_gb / total), index)
     return device
 
 

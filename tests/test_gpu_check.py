@@ -185,6 +185,14 @@ def test_chunked_logprob_peak_memory_is_lower_than_all_rows_at_once():
     assert r["all_rows_gb"] > 1.3 and r["ratio"] > 2, r
 
 
+def test_logprob_memory_keeps_the_head_frozen_as_in_training():
+    # A (32768, 4096) head: 0.5 GB of weight. Trainable, its float32 gradient (0.5 GB, plus a
+    # second copy while the chunks accumulate) made the chunked peak 1.60 GB and the ratio 0.49
+    # here; on the H200 it gave 4.43 GB chunked vs 3.70 all at once (gpu_check of 2026-12-04).
+    r = gpu_check.logprob_memory(rows=1024, hidden=4096, vocab=32768, device="cpu")
+    assert r["chunked_gb"] < 0.45 and r["ratio"] > 1.3, r
+
+
 # ---------------------------------------------------------------------------------------------
 # Gradient checkpointing with two adapters: the same gradients as without
 # ---------------------------------------------------------------------------------------------
@@ -276,6 +284,30 @@ def fake_summary() -> dict:
     return {"dry_run": False, "machine": {"gpu": "NVIDIA H200", "torch": "2.11"},
             "commit": "abc1234", "budget_s": 540, "elapsed_s": 530.0,
             "stages": {"cuda_tests": {"rc": 0, "seconds": 30.0, "passed": 4}}, "runs": runs}
+
+
+def test_a_multiline_status_stays_on_its_table_row(tmp_path):
+    summary = fake_summary()
+    summary["runs"][0]["status"] = "failed (rc timeout): \n\n\n\n(killed after 191 s)"
+    gpu_check.write_summary(summary, tmp_path)
+    md = (tmp_path / "gpu_check.md").read_text()
+    assert "| failed (rc timeout): (killed after 191 s) |" in md
+
+
+def test_logprob_memory_stage_gives_its_children_the_checks_environment(monkeypatch):
+    # the carried wheels are found through Check.env's PYTHONPATH; the first H200 run's children
+    # got os.environ instead and failed with "No module named 'bm25s'"
+    seen = []
+    monkeypatch.setattr(gpu_check, "logprob_memory",
+                        lambda *a: seen.append(a[4]) or {"ratio": 1.0})
+    check = gpu_check.Check.__new__(gpu_check.Check)
+    check.args = type("A", (), {"dry_run": True})()
+    check.summary = {"machine": {}, "stages": {}}
+    check.env = {"PYTHONPATH": "/tmp/site"}
+    check.say = lambda text: None
+    check.logprob_memory()
+    assert seen and all(env is check.env for env in seen)
+    assert check.summary["stages"]["logprob_memory"]["rc"] == 0
 
 
 def test_summary_files_have_the_documented_schema(tmp_path):

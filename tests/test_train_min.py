@@ -954,3 +954,23 @@ def test_skip_equal_rewards_leaves_the_policy_still_on_a_batch_that_all_scored_t
         assert moved_v and moved_pi == policy_moves, (flags, scores)
         assert stats["policy_updated"] == float(policy_moves)
         assert ("policy_loss" in stats) == policy_moves and stats["value_loss"] > 0
+
+
+def test_memory_cap_passes_a_device_index_to_torch(monkeypatch):
+    # torch.cuda.set_per_process_memory_fraction rejects a bare torch.device("cuda") (ValueError
+    # on torch 2.11, seen on the H200): setup_device must hand it the current device's index.
+    calls = []
+
+    def set_fraction(fraction, device):
+        if not isinstance(device, int):
+            raise ValueError(f"expected an index, got {device!r}")
+        calls.append((fraction, device))
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda i: type("P", (), {"total_memory": 96 * 2**30})())
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", set_fraction)
+    cfg = train_min.Config(device="cuda", memory_cap_gb=24.0, cpu_threads=0)
+    assert run_utils.setup_device(cfg) == torch.device("cuda")
+    assert calls == [(0.25, 0)]

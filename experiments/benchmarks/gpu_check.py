@@ -1,18 +1,19 @@
 """The GPU check: one command, prepared and tested on CPU, for the few minutes a lent GPU is there.
 
-    python experiments/benchmarks/gpu_check.py --wheels .whl      # on the GPU machine (no network)
+    python3 experiments/benchmarks/gpu_check.py --wheels .whl     # on the GPU machine (no network)
     python experiments/benchmarks/gpu_check.py --dry_run          # tiny shapes on CPU (CI)
 
 Stages, each printed as it starts and ends, each with its own time limit inside one budget
 (--budget_s: 540 s = 9 minutes; the dry run 300 s):
-  1. install: the carried wheels (bitsandbytes, bm25s) into a folder on sys.path, offline:
+  1. install: the carried wheels (bitsandbytes, bm25s; transformers, peft at our pins) into a
+     folder on sys.path and every child's PYTHONPATH, offline:
      pip install --no-index --no-deps --target DIR WHEELS/*.whl
   2. cuda_tests: mpo.py's CUDA tests and a 4-bit forward / backward / generate through
      train_min's model path (tests/test_gpu_check.py), with pytest;
   3. bench_mpo: experiments/benchmarks/bench_mpo.py (CPU and CUDA);
   4. logprob_memory: peak memory of the log-prob computation, all rows at once (the old code)
      versus train_min's chunks, forward and backward, side by side;
-  5. train: --steps (2) steps of train_min.py's default configuration with --memory_cap_gb 24, for
+  5. train: --steps (1) step of train_min.py's default configuration with --memory_cap_gb 24, for
      the shape-true Qwen2.5-1.5B-Instruct and Qwen3-4B (--preset shape_qwen25_15b /
      shape_qwen3_4b: the published architectures with random weights, a local ChatML tokenizer)
      at settings A, B, C, each in its own process; per step and phase (rollout, scoring, update):
@@ -29,7 +30,8 @@ Before a GPU session, download the wheels here once (a git-ignored folder that `
     echo /.whl/ >> .git/info/exclude
     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \\
         --implementation cp --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \\
-        --platform manylinux2014_x86_64 -d .whl bitsandbytes==0.50.2 bm25s==0.3.16
+        --platform manylinux2014_x86_64 -d .whl bitsandbytes==0.50.2 bm25s==0.3.16 \\
+        transformers==5.24.0 peft==0.21.2
 """
 from __future__ import annotations
 
@@ -129,18 +131,20 @@ def one_run(record: Path, argv: list[str]) -> int:
 
 
 # --- the log-prob computation's memory: all rows at once (before) versus chunks (now) ---------
-def logprob_memory(rows: int, hidden: int, vocab: int, device: str) -> dict:
+def logprob_memory(rows: int, hidden: int, vocab: int, device: str, env=None) -> dict:
     """Peak memory (GB) of forward + backward of action-token log-probs for `rows` tokens over a
     `vocab`-wide head, computed the old way (one (rows, V) log-softmax) and train_min's way
     (LOGPROB_CHUNK rows at a time, recomputed in backward); each in a fresh process on CPU (peak
-    resident memory above the set-up), with the allocator's peak on CUDA."""
+    resident memory above the set-up), with the allocator's peak on CUDA. `env`: the child's
+    environment (default os.environ; the check passes its own, which finds the carried wheels)."""
     out = {"rows": rows, "hidden": hidden, "vocab": vocab, "device": device}
     for way in ("all_rows", "chunked"):
         code = (f"import sys; sys.path.insert(0, {str(ROOT)!r}); "
                 "from experiments.benchmarks.gpu_check import _logprob_peak; "
                 f"print(_logprob_peak({way!r}, {rows}, {hidden}, {vocab}, {device!r}))")
         res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                             timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                             timeout=300,
+                             env={**(os.environ if env is None else env), "OMP_NUM_THREADS": "1"})
         if res.returncode:
             raise RuntimeError(res.stderr[-2000:])
         out[way + "_gb"] = float(res.stdout.split()[-1])
@@ -154,7 +158,9 @@ def _logprob_peak(way: str, rows: int, hidden: int, vocab: int, device: str) -> 
     import train_min
     torch.manual_seed(0)
     dev = torch.device(device)
-    head = torch.nn.Linear(hidden, vocab, bias=False, device=dev)
+    # frozen, as in training (LoRA leaves the output embedding alone): a trainable head would add
+    # a (V, H) float32 weight gradient, 1.56 GB at Qwen3-4B's shape, which the chunks accumulate
+    head = torch.nn.Linear(hidden, vocab, bias=False, device=dev).requires_grad_(False)
     h = torch.randn(rows, hidden, device=dev, requires_grad=True)
     targets = torch.randint(vocab, (rows,), device=dev)
     if dev.type == "cuda":
@@ -284,7 +290,7 @@ class Check:
         t0, results = time.monotonic(), []
         for rows, hidden, vocab, device in shapes:
             try:
-                results.append(logprob_memory(rows, hidden, vocab, device))
+                results.append(logprob_memory(rows, hidden, vocab, device, self.env))
             except (RuntimeError, subprocess.TimeoutExpired) as e:
                 results.append({"rows": rows, "device": device, "error": str(e)[-500:]})
             self.say(f"logprob_memory: {results[-1]}")
@@ -409,7 +415,7 @@ def write_summary(summary: dict, out: Path) -> None:
             shape = s["batch_shape"]
         else:
             sec = peak = reserved = shape = "-"
-        lines.append(f"| {r['model']} | {r['setting']} ({r['variant']}) | {r['status'][:80]} | "
+        lines.append(f"| {r['model']} | {r['setting']} ({r['variant']}) | {' '.join(r['status'].split())[:80]} | "
                      f"{shape} | {sec} | {peak} | {reserved} |")
     lp = summary["stages"].get("logprob_memory", {}).get("results", [])
     if lp:
@@ -436,15 +442,14 @@ def main(argv=None) -> int:
     ap.add_argument("--work", default="", help="models, runs, installs (default: a temp folder)")
     ap.add_argument("--budget_s", type=float, default=None,
                     help="seconds for the whole check (default 540; dry run 300)")
-    ap.add_argument("--steps", type=int, default=None,
-                    help="training steps per run (default 2; dry run 1)")
+    ap.add_argument("--steps", type=int, default=1,
+                    help="training steps per run (default 1: on the H200, steps 1 and 2 of "
+                         "Qwen2.5-1.5B took 83 s and 79 s)")
     ap.add_argument("--min_run_s", type=float, default=None,
                     help="time a first run of a model is assumed to need (default 150; dry 20)")
     ap.add_argument("--skip", nargs="*", default=[], choices=["cuda_tests", "bench_mpo",
                     "logprob_memory", "train"], help="stages to leave out")
     args = ap.parse_args(argv)
-    if args.steps is None:
-        args.steps = 1 if args.dry_run else 2
     if args.steps < 1:
         raise ValueError(f"--steps must be >= 1, got {args.steps}")
     if args.budget_s is None:
