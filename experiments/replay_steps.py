@@ -6,7 +6,8 @@ Resume is exact (tests/test_train_min.py), so the replayed rollouts are the run'
 copies the run's config, metrics and checkpoint `--from_step` to a scratch folder, resumes there
 with train_min up to `--to_step` (no evaluation), and writes, for each replayed step, per episode:
 its reward, turns, how it ended (answer, truncated, malformed) and, per turn, the mean advantage
-the policy loss used (whitened) and the critic's value on the turn's first token. At the end it
+the policy loss used (whitened; also on its first and last token) and the critic's value on the
+turn's first token. At the end it
 compares the replayed weights with the run's own checkpoint of `--to_step` (both must be equal
 for the record to be the run's): `same_as_run` in the output.
 
@@ -35,8 +36,13 @@ def turn_rows(batch: dict, trajs: list) -> list[dict]:
         per_turn = []
         for k in range(int(tid.max()) + 1):
             on = tid == k
-            first = int(on.nonzero()[0])
-            per_turn.append({"adv": round(float(batch["advantages"][b][on].mean()), 4),
+            idx = on.nonzero()[:, 0]
+            first = int(idx[0])
+            adv = batch["advantages"][b]
+            per_turn.append({"adv": round(float(adv[on].mean()), 4),
+                             # token GAE (PPO) is not flat within a turn: its ends show the slope
+                             "adv_first": round(float(adv[first]), 4),
+                             "adv_last": round(float(adv[int(idx[-1])]), 4),
                              "value": round(float(batch["values"][b, first]), 4),
                              "tokens": int(on.sum())})
         rows.append({"group": t.group, "reward": t.reward, "turns": t.n_turns,
