@@ -95,10 +95,11 @@ AT_LEAST_ONE = ("steps", "save_every", "eval_every", "structure_every", "n_train
                 "n_rollouts", "questions_per_step", "ppo_epochs", "minibatches",
                 "micro_batch_size", "rollout_batch_size", "eval_samples")
 POSITIVE = ("lora_alpha", "clip_eps", "clip_eps_high", "gspo_clip_low", "gspo_clip_high",
-            "max_grad_norm", "temperature", "vapo_alpha")
+            "max_grad_norm", "critic_max_grad_norm", "temperature", "vapo_alpha")
 NON_NEGATIVE = ("lora_layers", "beta", "value_clip", "vf_coef", "kl_coef", "cpu_threads",
                 "memory_cap_gb", "lr_policy", "lr_critic", "lr_value_head",   # lr 0: frozen
-                "vapo_value_steps", "critic_warmup_steps")     # 0: no critic-only warm-up
+                "vapo_value_steps", "critic_warmup_steps",     # 0: no critic-only warm-up
+                "critic_epochs", "micro_batch_tokens")         # 0: as --ppo_epochs; rows only
 UNIT_INTERVAL = ("lam", "lam_intra", "ppo_lam")
 
 
@@ -144,7 +145,10 @@ def check_config(cfg) -> None:
 
 def setup_device(cfg) -> torch.device:
     """cfg.device (default: cuda if available), its CPU threads and GPU memory cap; exit 2 with
-    one hint when the default (GPU) run finds no GPU."""
+    one hint when the default (GPU) run finds no GPU. On a GPU the allocator grows expandable
+    segments (set before CUDA starts; a value the user exported wins): phases with different
+    shapes (rollout, scoring, update) then reuse memory instead of fragmenting it."""
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     if cfg.preset == "default" and not torch.cuda.is_available() and cfg.device != "cpu":
         print("No CUDA GPU found: the default run needs one (24 GB). On this machine run "
               "`python train_min.py --preset smol`, the CPU demo on a real model.",
@@ -329,7 +333,7 @@ RESUME_MAY_CHANGE = ("steps",                                               # ru
                      "eval_every", "eval_first", "structure_every", "tensorboard",   # logging
                      "save_every", "resume", "overwrite", "out_dir",                 # checkpoints
                      "device", "cpu_threads", "memory_cap_gb",                       # the machine
-                     "micro_batch_size", "rollout_batch_size")                       # memory knobs
+                     "micro_batch_size", "micro_batch_tokens", "rollout_batch_size")  # memory
 RUN_FILES = ("config.json", "metrics.jsonl", "checkpoints", "tb")     # what a run writes
 
 
@@ -546,7 +550,7 @@ def step_metrics(step: int, trajs: list, n: int, batch: dict, stats: dict, times
     and the step's peak GPU memory (mem/peak_gb; CPU: nan)."""
     act = batch["turn_ids"] >= 0
     adv = batch["advantages"][act]
-    return {"step": step, **episode_stats(trajs, n, "train/"),
+    return {"step": step, **episode_stats(trajs, n, "train/"), **sampler_gap(batch),
             **{f"loss/{k}": v for k, v in stats.items()},
             "adv/mean": float(adv.mean()), "adv/std": float(adv.std()),
             "adv/within_turn_share": within_turn_share(batch["advantages"], batch["turn_ids"]),
@@ -555,6 +559,23 @@ def step_metrics(step: int, trajs: list, n: int, batch: dict, stats: dict, times
             "tokens_per_s": float(act.sum()) / times["generate"],
             "mem/peak_gb": (torch.cuda.max_memory_allocated() / 2**30
                             if device.type == "cuda" else float("nan"))}
+
+
+def sampler_gap(batch: dict) -> dict[str, float]:
+    """How far the sampler (`generate`: KV cache, one-token kernels) is from the scorer whose
+    log-probs are the behaviour policy of the update (`old_logp`: full-sequence forward), on the
+    tokens the sampler drew: KL(sampler ‖ scorer) by the k3 estimator, mean of
+    r − 1 − log r with r = π_scorer / π_sampler (unbiased, >= 0), and the largest |log r|.
+    Nothing (an empty dict) when the batch has no sampler log-probs (greedy, or a test's fake)."""
+    if "sampler_logp" not in batch:
+        return {}
+    sampler, act = batch["sampler_logp"], batch["turn_ids"] >= 0
+    have = act & torch.isfinite(sampler)
+    if not have.any():
+        return {}
+    log_r = (batch["old_logp"] - sampler)[have].double()                       # (N,)
+    return {"rollout/sampler_kl": float((log_r.exp() - 1 - log_r).mean()),
+            "rollout/sampler_max_abs_logp_diff": float(log_r.abs().max())}
 
 
 def log_line(row: dict, stats: dict) -> str:
@@ -605,6 +626,9 @@ def episode_stats(trajs: list, n: int, prefix: str) -> dict[str, float]:
     out[prefix + "tokens_per_turn"] = float(n_tok / max(sum(t.n_turns for t in trajs), 1))
     out[prefix + "format_error_rate"] = float(np.mean([bool(t.info.get("malformed"))
                                                        for t in trajs]))
+    # a turn the token budget cut (unreadable, but no format error) is counted apart
+    out[prefix + "turn_truncated_rate"] = float(np.mean([bool(t.info.get("turn_truncated"))
+                                                         for t in trajs]))
     return out
 
 

@@ -74,7 +74,11 @@ class Config:
     lora_r: int = arg(16, "LoRA rank of both adapters")
     lora_alpha: int = arg(32, "LoRA scale numerator (scale = alpha / r)")
     gradient_checkpointing: bool = arg(True, "recompute activations in backward to fit 24 GB")
-    enable_thinking: bool = arg(False, "Qwen3 chat template: allow <think> blocks")
+    enable_thinking: bool = arg(False, "Qwen3 chat template: think before acting (a thinking "
+                                "template such as Qwen3-4B-Thinking's always does)")
+    max_think_tokens: int = arg(0, "thinking models: a turn's reasoning budget before </think> "
+                                "(the action after it has --max_new_tokens); needed whenever the "
+                                "model thinks (--enable_thinking or a thinking template)")
     lora_layers: int = arg(0, "adapt only the top N decoder layers (0: all); see frozen_states")
     dtype: str = arg("auto", "base model compute dtype: auto (bfloat16 on a GPU or a CPU with "
                      "bf16 units, else float32) | bfloat16 | float32; LoRA, optimiser, value "
@@ -117,13 +121,20 @@ class Config:
     n_rollouts: int = arg(4, "episodes per question (§10: n = 4); the GRPO group size")
     questions_per_step: int = arg(16, "questions per step (§10: batch 16)")
     ppo_epochs: int = arg(1, "passes over each batch")
+    critic_epochs: int = arg(0, "critic passes over each batch (0: as --ppo_epochs); more than "
+                             "--ppo_epochs trains the critic alone in the extra passes (VAPO, SAO)")
     minibatches: int = arg(4, "optimiser steps per epoch")
-    micro_batch_size: int = arg(4, "trajectories per forward/backward (memory knob)")
+    micro_batch_size: int = arg(16, "most trajectories per forward/backward (memory knob)")
+    micro_batch_tokens: int = arg(6144, "token budget of a micro-batch: rows x its longest row "
+                                  "(rows sorted by length, each micro-batch padded to its own "
+                                  "longest; a longer row goes alone; 0: rows only) (memory knob)")
     rollout_batch_size: int = arg(64, "trajectories per generate call (memory knob)")
     lr_policy: float = arg(1e-5, "policy LoRA rate (§10: 1e-6 for all weights; LoRA needs more)")
     lr_critic: float = arg(5e-5, "critic LoRA rate; higher: it starts from nothing, fits returns")
     lr_value_head: float = arg(1e-3, "value head learning rate (zero-initialised)")
-    max_grad_norm: float = arg(1.0, "gradient clipping")
+    max_grad_norm: float = arg(1.0, "gradient clipping of the policy adapter (its own norm)")
+    critic_max_grad_norm: float = arg(1.0, "gradient clipping of the critic adapter + value head, "
+                                      "apart from the policy's (verl clips actor and critic apart)")
     temperature: float = arg(1.0, "sampling temperature; log-probs use the same scaling")
     # --- evaluation / logging / checkpoint ---
     eval_every: int = arg(10, "validate every N steps (and at the end)")
@@ -208,6 +219,13 @@ def load_model(cfg: Config, device: torch.device):
         base = prepare_model_for_kbit_training(
             base, use_gradient_checkpointing=cfg.gradient_checkpointing,
             gradient_checkpointing_kwargs={"use_reentrant": False})
+        # prepare_model_for_kbit_training casts the embeddings, norms and head to float32, and
+        # Linear4bit returns its input's dtype: hidden states, q/k/v and the KV cache would all
+        # be float32 (twice the memory budgeted). Back to the compute dtype; the LoRA weights
+        # (added below), the value head, optimiser state and log-softmax stay float32.
+        for p in base.parameters():
+            if p.dtype == torch.float32 and dtype != torch.float32:
+                p.data = p.data.to(dtype)
         cpu_4bit_workaround(base)       # run_utils: a bitsandbytes CPU bug; GPUs: no-op
     elif cfg.gradient_checkpointing:
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -349,6 +367,7 @@ class Trajectory:
     reward: float = 0.0
     info: dict = field(default_factory=dict)
     done: bool = False
+    sampler_logp: list[float] = field(default_factory=list)   # generate's log-prob; nan: none
 
     @property
     def n_turns(self) -> int:
@@ -390,41 +409,196 @@ class SampledVocab:
         return scores
 
 
-def rows_per_generate(model, width: int, cfg: Config) -> int:
+def thinking_mode(tok, cfg: Config) -> bool:
+    """Does the policy reason in <think>…</think> before each action? Yes with --enable_thinking
+    (Qwen3's hybrid template) and always with a template that opens <think> itself, as
+    Qwen3-4B-Thinking's ends every generation prompt with "<think>\n" whatever enable_thinking
+    says. Then the action is read after the first </think>, stop strings count only after it,
+    and the reasoning has its own budget (--max_think_tokens)."""
+    probe = [{"role": "user", "content": "x"}]
+    forced = tok.apply_chat_template(probe, add_generation_prompt=True, tokenize=False,
+                                     enable_thinking=False).rstrip().endswith("<think>")
+    if cfg.enable_thinking and not forced and "<think>" not in (tok.chat_template or ""):
+        raise ConfigError(f"--enable_thinking: the chat template of {cfg.model} has no <think> "
+                          "mode; drop the flag")
+    thinking = forced or cfg.enable_thinking
+    if thinking and cfg.max_think_tokens < 1:
+        raise ConfigError(f"--max_think_tokens: {cfg.model} reasons in <think> before every "
+                          "action; give the reasoning a budget, e.g. --max_think_tokens 1024 "
+                          "(--preset qwen3_thinking sets one that fits 24 GB)")
+    return thinking
+
+
+def turn_budget(cfg: Config, thinking: bool) -> int:
+    """Most tokens one assistant turn can take: its reasoning's budget, then the action's."""
+    return cfg.max_new_tokens + (cfg.max_think_tokens if thinking else 0)
+
+
+GENERATE_MARGIN_GIB = 2.0   # left free during generate: allocator slack, kernels' workspaces
+
+
+def rows_per_generate(model, width: int, cfg: Config, new_tokens: int) -> int:
     """Sequences per `generate` call: --rollout_batch_size, fewer on a GPU when their KV cache
-    (every layer, bf16) and one layer's prefill activations (float32) would take more than half
-    the memory left under --memory_cap_gb. Qwen3-4B's cache alone is 144 KiB per token: 64
-    sequences of 2,048 tokens would need 18 GiB."""
+    (every layer, at the dtype the activations really have), one layer's prefill activations
+    and a few float32 rows of logits would not fit in the memory free now (the device's free
+    memory plus the allocator's unused cache, within --memory_cap_gb) less GENERATE_MARGIN_GIB.
+    Qwen3-4B's cache is 144 KiB per token in bf16: 64 sequences of 2,048 tokens need 18 GiB."""
     if model.device.type != "cuda":
         return cfg.rollout_batch_size
-    c = model.config
+    c, dev = model.config, model.device
+    itemsize = model.get_input_embeddings().weight.element_size()   # load_model: compute dtype
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    kv_bytes = 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * 2       # per token
-    prefill_bytes = 4 * (3 * c.intermediate_size + 4 * c.hidden_size)              # per token
-    total = torch.cuda.get_device_properties(model.device).total_memory
-    cap = min(total, cfg.memory_cap_gb * 2**30) if cfg.memory_cap_gb else total
-    free = cap - torch.cuda.memory_allocated(model.device)
-    per_row = (width + cfg.max_new_tokens) * (kv_bytes + prefill_bytes)
-    return max(1, min(cfg.rollout_batch_size, int(0.5 * free) // per_row))
+    kv_bytes = 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * itemsize  # per token
+    prefill_bytes = itemsize * (3 * c.intermediate_size + 4 * c.hidden_size)         # per token
+    logit_bytes = 3 * 4 * model.get_output_embeddings().out_features    # per row, float32
+    free, _ = torch.cuda.mem_get_info(dev)
+    allocated = torch.cuda.memory_allocated(dev)
+    free += torch.cuda.memory_reserved(dev) - allocated           # cached blocks are usable too
+    if cfg.memory_cap_gb:
+        free = min(free, cfg.memory_cap_gb * 2**30 - allocated)
+    per_row = (width + new_tokens) * (kv_bytes + prefill_bytes) + logit_bytes
+    usable = free - GENERATE_MARGIN_GIB * 2**30
+    return max(1, min(cfg.rollout_batch_size, int(usable) // per_row))
+
+
+def generation_config(tok, cfg: Config, greedy: bool, max_new_tokens: int, stop_ids: list[int]):
+    """Pure sampling from the model's softmax at --temperature (or greedy decoding): the hub's
+    top_p / top_k / repetition_penalty defaults would make the behaviour policy differ from the
+    π whose log-probs we train on (check_generation_config checks what `generate` resolves)."""
+    from transformers import GenerationConfig
+    return GenerationConfig(do_sample=not greedy, temperature=None if greedy else cfg.temperature,
+                            top_p=1.0, top_k=0, repetition_penalty=1.0, max_new_tokens=max_new_tokens,
+                            eos_token_id=stop_ids, pad_token_id=tok.pad_token_id)
+
+
+# What `generate` may apply besides the temperature, and the value that leaves π untouched.
+NEUTRAL_SAMPLING = {"top_p": (None, 1.0), "top_k": (None, 0), "repetition_penalty": (None, 1.0),
+                    "min_p": (None, 0.0), "typical_p": (None, 1.0), "top_h": (None,),
+                    "epsilon_cutoff": (None, 0.0), "eta_cutoff": (None, 0.0),
+                    "no_repeat_ngram_size": (None, 0), "encoder_repetition_penalty": (None, 1.0),
+                    "bad_words_ids": (None,), "sequence_bias": (None,), "min_new_tokens": (None, 0),
+                    "suppress_tokens": (None,), "begin_suppress_tokens": (None,)}
+
+
+def check_generation_config(model, gen, cfg: Config) -> None:
+    """The config `generate` really uses (ours merged with the model's own generation_config, as
+    transformers resolves it) samples the softmax at --temperature and nothing else; otherwise
+    one line naming the setting. Run once at the start."""
+    resolved, _ = model._prepare_generation_config(gen)
+    if not resolved.do_sample or resolved.temperature != cfg.temperature:
+        raise ConfigError(f"generate resolved do_sample={resolved.do_sample}, temperature="
+                          f"{resolved.temperature} instead of sampling at --temperature "
+                          f"{cfg.temperature}")
+    for name, neutral in NEUTRAL_SAMPLING.items():
+        value = getattr(resolved, name, None)
+        if value not in neutral:
+            raise ConfigError(f"generate resolved {name}={value!r} (from {cfg.model}'s "
+                              "generation_config?): sampling would differ from the π that is "
+                              f"trained; it must be one of {neutral}")
+
+
+class TurnEnd:
+    """Where one sampled turn ends, read one token at a time (cost linear in the turn's length):
+    at a stop id (end of turn), at the token that completes a stop string, or when a budget runs
+    out (`cut`). In thinking mode the stop strings count only after the first </think> (the
+    reasoning may quote </search>), the reasoning has `think_budget` tokens and the action after
+    it `budget`. The text is decoded incrementally: each token's new characters come from
+    decoding a short window (a multi-byte character split across tokens waits for its end)."""
+
+    def __init__(self, tok, stop_ids, stop_strings=(), thinking=False, budget=None,
+                 think_budget=None):
+        self.tok, self.stop_ids, self.stop_strings = tok, set(stop_ids), tuple(stop_strings)
+        self.thinking, self.budget, self.think_budget = thinking, budget, think_budget
+        self.ids, self.text, self.prefix, self.read = [], "", 0, 0
+        self.armed_at = None if thinking else 0     # where stop strings start to count
+        self.think_tokens = 0                        # tokens up to and including </think>
+        self.done, self.cut = False, False
+
+    def _new_text(self) -> str:
+        before = self.tok.decode(self.ids[self.prefix:self.read])
+        now = self.tok.decode(self.ids[self.prefix:])
+        if len(now) > len(before) and not now.endswith("\ufffd"):
+            self.prefix, self.read = self.read, len(self.ids)
+            return now[len(before):]
+        return ""
+
+    def _found(self, s: str, new: str) -> int:
+        """End of `s` in the text if the newest characters complete it, else -1."""
+        lo = max(self.armed_at, len(self.text) - len(new) - len(s) + 1)
+        at = self.text.find(s, lo)
+        return at + len(s) if at >= 0 else -1
+
+    def push(self, token: int) -> bool:
+        """Take the next sampled token; True when it ends the turn."""
+        if self.done:
+            raise RuntimeError("the turn has ended")
+        self.ids.append(token)
+        if token in self.stop_ids:
+            self.done = True
+            return True
+        new = self._new_text()
+        self.text += new
+        if self.armed_at is None and new and (end := self._found("</think>", new)) >= 0:
+            self.armed_at, self.think_tokens = end, len(self.ids)
+        if self.armed_at is not None and new and any(self._found(s, new) >= 0
+                                                     for s in self.stop_strings):
+            self.done = True
+        elif self.armed_at is None and self.think_budget is not None:
+            self.done = self.cut = len(self.ids) >= self.think_budget
+        elif self.armed_at is not None and self.budget is not None:
+            self.done = self.cut = len(self.ids) - self.think_tokens >= self.budget
+        return self.done
+
+
+class TurnRecorder:
+    """The stopping criterion and last logits processor of one `generate` call: feeds each row's
+    new token to its TurnEnd (a row stops where its turn ends) and records the log-probability
+    the sampler gave that token, log softmax(logits / T) over the logits `generate` sampled from
+    (processors before it applied; transformers applies the temperature after custom processors,
+    so it is applied here; check_generation_config makes sure nothing else follows)."""
+
+    def __init__(self, turns: list[TurnEnd], temperature: float | None):
+        self.turns, self.temperature = turns, temperature
+        self.logp_all, self.logp = None, [[] for _ in turns]
+
+    def processor(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.temperature is not None:
+            self.logp_all = torch.log_softmax(scores.float() / self.temperature, dim=-1)  # (B, V)
+        return scores
+
+    def criterion(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        new = input_ids[:, -1].tolist()
+        if self.logp_all is not None:
+            lp = self.logp_all.gather(1, input_ids[:, -1:]).squeeze(1).tolist()        # (B,)
+        done = []
+        for b, (turn, token) in enumerate(zip(self.turns, new)):
+            if not turn.done:
+                turn.push(token)
+                if self.logp_all is not None:
+                    self.logp[b].append(lp[b])
+            done.append(turn.done)
+        return torch.tensor(done, device=input_ids.device)
+
+
+class Turn(list):
+    """One sampled turn: its token ids (a list), whether a budget cut it (`cut`), and the
+    sampler's log-prob of each id (`sampler_logp`; None when decoding greedily)."""
+    cut: bool = False
+    sampler_logp: list[float] | None = None
 
 
 @torch.no_grad()
 def generate_turns(model, tok, prompts: list[list[int]], cfg: Config, greedy: bool,
-                   stop_strings: tuple[str, ...] = ()) -> list[list[int]]:
-    """One assistant turn for each prompt: sampled ids up to a closing tag or end-of-turn token."""
-    from transformers import GenerationConfig, LogitsProcessorList
+                   stop_strings: tuple[str, ...] = (), thinking: bool = False) -> list[Turn]:
+    """One assistant turn for each prompt: sampled ids up to a closing tag, an end-of-turn token
+    or the turn's budget (TurnEnd), with the sampler's log-probs."""
+    from transformers import LogitsProcessorList, StoppingCriteriaList
     stop_ids = {tok.eos_token_id, tok.pad_token_id, *tok.convert_tokens_to_ids(["<|im_end|>"])}
     stop_ids = sorted(stop_ids - {None, tok.unk_token_id})
-    # Pure sampling from the model's softmax: the hub's top_p / top_k / repetition_penalty
-    # defaults would make the behaviour policy differ from the π whose log-probs we train on.
-    gen = GenerationConfig(do_sample=not greedy, temperature=None if greedy else cfg.temperature,
-                           top_p=1.0, top_k=0, repetition_penalty=1.0,
-                           max_new_tokens=cfg.max_new_tokens, eos_token_id=stop_ids,
-                           pad_token_id=tok.pad_token_id, stop_strings=list(stop_strings) or None)
+    new_tokens = turn_budget(cfg, thinking)
+    gen = generation_config(tok, cfg, greedy, new_tokens, stop_ids)
     n_vocab = sampled_vocab(model)
-    only_tokenizer_ids = LogitsProcessorList(
-        [SampledVocab(n_vocab)] if n_vocab < model.get_output_embeddings().out_features else [])
-    rows = rows_per_generate(model, max(map(len, prompts)), cfg)   # memory: the KV cache
+    rows = rows_per_generate(model, max(map(len, prompts)), cfg, new_tokens)   # the KV cache
     out_turns = []
     for s in range(0, len(prompts), rows):
         chunk = prompts[s:s + rows]
@@ -432,25 +606,43 @@ def generate_turns(model, tok, prompts: list[list[int]], cfg: Config, greedy: bo
         pads = [width - len(p) for p in chunk]
         ids = torch.tensor([[tok.pad_token_id] * n + p for n, p in zip(pads, chunk)])  # left pad
         attn = torch.tensor([[0] * n + [1] * len(p) for n, p in zip(pads, chunk)])
-        out = model.generate(input_ids=ids.to(model.device), attention_mask=attn.to(model.device),
-                             generation_config=gen, logits_processor=only_tokenizer_ids,
-                             **({"tokenizer": tok} if stop_strings else {}))
-        out_turns += [sampled_turn(row, stop_ids, tok, stop_strings)
-                      for row in out[:, width:].tolist()]
+        ends = [TurnEnd(tok, stop_ids, stop_strings, thinking, cfg.max_new_tokens,
+                        cfg.max_think_tokens if thinking else None) for _ in chunk]
+        rec = TurnRecorder(ends, None if greedy else cfg.temperature)
+        processors = [SampledVocab(n_vocab)] if n_vocab < model.get_output_embeddings().out_features else []
+        model.generate(input_ids=ids.to(model.device), attention_mask=attn.to(model.device),
+                       generation_config=gen,
+                       logits_processor=LogitsProcessorList(processors + [rec.processor]),
+                       stopping_criteria=StoppingCriteriaList([rec.criterion]))
+        for end, logp in zip(ends, rec.logp):
+            turn = Turn(end.ids)
+            turn.cut = end.cut or not end.done          # generate's own length limit: a cut too
+            turn.sampler_logp = None if greedy else logp
+            out_turns.append(turn)
     return out_turns
 
 
-def sampled_turn(row: list[int], stop_ids, tok, stop_strings: tuple[str, ...] = ()) -> list[int]:
-    """The ids the policy sampled in one row of `generate`'s output: up to and including the
-    first stop id or the token that completes the first stop string, whichever comes first.
-    `generate` pads a row whose stop string matched with pad_token_id until the whole batch
-    stops; the pad is a stop id but was never sampled, so it must not become an action token
-    (nor, with Qwen's pad <|endoftext|> != <|im_end|>, part of the context)."""
-    end = next((i + 1 for i, t in enumerate(row) if t in stop_ids), len(row))
-    for i in range(end if stop_strings else 0):          # the first prefix holding a stop string
-        if any(s in tok.decode(row[:i + 1]) for s in stop_strings):
-            return row[:i + 1]
-    return row[:end]
+def sampled_turn(row: list[int], stop_ids, tok, stop_strings: tuple[str, ...] = (),
+                 thinking: bool = False) -> list[int]:
+    """The ids the policy sampled in one row of `generate`'s output, replayed through TurnEnd:
+    up to and including the first stop id or the token that completes the first stop string
+    (after </think> in thinking mode). `generate` pads a row whose turn ended with pad_token_id
+    until the whole batch stops; the pad is a stop id but was never sampled, so it must not
+    become an action token (nor, with Qwen's pad <|endoftext|> != <|im_end|>, context)."""
+    end = TurnEnd(tok, stop_ids, stop_strings, thinking)
+    for token in row:
+        if end.push(token):
+            break
+    return end.ids
+
+
+def split_reasoning(text: str, thinking: bool) -> tuple[str, str]:
+    """(reasoning, action) of one decoded turn: in thinking mode the action is what follows the
+    first </think> ("" when the reasoning never closed); otherwise the whole turn is the action."""
+    if not thinking:
+        return "", text
+    reasoning, closed, action = text.partition("</think>")
+    return (reasoning, action) if closed else (text, "")
 
 
 def rollout(model, tok, suite: Suite, tasks: list, cfg: Config, n: int,
@@ -458,40 +650,55 @@ def rollout(model, tok, suite: Suite, tasks: list, cfg: Config, n: int,
     """n episodes per task, all live episodes generating their next turn in one batch."""
     model.eval()
     use_adapter(model, "policy")
+    thinking = thinking_mode(tok, cfg)
+    budget = turn_budget(cfg, thinking)
     trajs = []
     for g, task in enumerate(tasks):
         for _ in range(n):
             env = suite.make_env(task)
             msgs = env.reset()
             ids = render_ids(tok, msgs, cfg.enable_thinking)
-            if len(ids) + cfg.max_new_tokens > cfg.max_total_tokens:   # no room for one turn
+            if len(ids) + budget > cfg.max_total_tokens:   # no room for one turn
                 raise ConfigError(f"--max_total_tokens {cfg.max_total_tokens} leaves no room for "
                                   f"a turn: the prompt has {len(ids)} tokens and a turn up to "
-                                  f"--max_new_tokens {cfg.max_new_tokens}")
+                                  f"{budget} (--max_new_tokens"
+                                  f"{' + --max_think_tokens' if thinking else ''})")
             trajs.append(Trajectory(ids, [-1] * len(ids), msgs, env, g))
     for turn in range(cfg.max_turns):
         for t in trajs:                 # the next turn would not fit: end as truncated, reward 0
-            if not t.done and len(t.ids) + cfg.max_new_tokens > cfg.max_total_tokens:
+            if not t.done and len(t.ids) + budget > cfg.max_total_tokens:
                 t.done, t.info = True, {"em": 0.0, "f1": 0.0, "truncated": True,
-                                        "malformed": False, "turns": turn}
+                                        "malformed": False, "turn_truncated": False,
+                                        "turns": turn}
         live = [t for t in trajs if not t.done]
         if not live:
             break
-        actions = generate_turns(model, tok, [t.ids for t in live], cfg, greedy, suite.stop_strings)
+        actions = generate_turns(model, tok, [t.ids for t in live], cfg, greedy,
+                                 suite.stop_strings, thinking)
         for t, action in zip(live, actions):
+            t.sampler_logp += [float("nan")] * (len(t.ids) - len(t.sampler_logp))
             t.ids += action                                         # sampled ids, kept exactly
             t.turn_ids += [turn] * len(action)
+            logp = getattr(action, "sampler_logp", None)            # (a test's plain list: none)
+            t.sampler_logp += logp if logp is not None else [float("nan")] * len(action)
             text = tok.decode(action, skip_special_tokens=True)
-            res = t.env.step(text)
+            res = t.env.step(split_reasoning(text, thinking)[1])    # the action after </think>
             t.messages = t.messages + [{"role": "assistant", "content": text}]
             if res.done:
-                t.done, t.reward, t.info = True, float(res.reward), res.info
+                t.done, t.reward, t.info = True, float(res.reward), dict(res.info)
+                # a turn the budget cut is unreadable, but not a format error: say which it was
+                cut = bool(getattr(action, "cut", False)) and bool(t.info.get("malformed"))
+                t.info["turn_truncated"] = cut
+                if cut:
+                    t.info["malformed"] = False
             else:                                                   # observation: turn id -1
                 obs = observation_ids(tok, t.messages, res.observation, action[-1],
                                       cfg.enable_thinking)
                 t.messages = t.messages + [{"role": "user", "content": res.observation}]
                 t.ids += obs
                 t.turn_ids += [-1] * len(obs)
+    for t in trajs:
+        t.sampler_logp += [float("nan")] * (len(t.ids) - len(t.sampler_logp))
     return trajs
 
 
@@ -503,34 +710,87 @@ def collate(trajs: list[Trajectory], pad_id: int, device) -> dict[str, torch.Ten
     return {"ids": pad([t.ids for t in trajs], pad_id),
             "attn": pad([[1] * len(t.ids) for t in trajs], 0),
             "turn_ids": pad([t.turn_ids for t in trajs], -1),
+            "sampler_logp": nn.utils.rnn.pad_sequence(
+                [torch.tensor(t.sampler_logp or [float("nan")] * len(t.ids)) for t in trajs],
+                batch_first=True, padding_value=float("nan")).to(device),
             "scores": torch.tensor([t.reward for t in trajs], device=device),
             "groups": torch.tensor([t.group for t in trajs], device=device)}
 
 
+# --- Micro-batches: formed by a token budget, padded to their own longest row ------------------
+def micro_batches(rows: torch.Tensor, lengths: list[int], cfg: Config) -> list[torch.Tensor]:
+    """Split one minibatch's rows into micro-batches: longest rows first, each micro-batch taking
+    rows while it holds at most --micro_batch_size of them and (rows x its longest row) stays
+    within --micro_batch_tokens; a row longer than the budget goes alone. Compute and memory then
+    follow each micro-batch's own longest row, not the whole batch's."""
+    order = sorted(rows.tolist(), key=lambda i: -lengths[i])
+    out, cur = [], []
+    for i in order:
+        width = lengths[cur[0]] if cur else lengths[i]      # the first (longest) row sets it
+        full = len(cur) == cfg.micro_batch_size or (
+            cfg.micro_batch_tokens and (len(cur) + 1) * width > cfg.micro_batch_tokens)
+        if cur and full:
+            out.append(torch.tensor(cur))
+            cur = []
+        cur.append(i)
+    return out + [torch.tensor(cur)] if cur else out
+
+
+def minibatch_plan(batch, cfg: Config) -> list[list[torch.Tensor]]:
+    """A random split of the batch's rows into --minibatches minibatches, each a list of
+    micro-batches (row indices). Scoring and the first epoch use the same plan, so every row is
+    scored and re-scored inside the same micro-batch at the same width: the first minibatch's
+    ratio is exactly 1."""
+    lengths = batch["attn"].sum(1).tolist()
+    return [micro_batches(mb, lengths, cfg)
+            for mb in torch.randperm(len(lengths)).chunk(cfg.minibatches)]
+
+
+def micro_inputs(batch, micro: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """ids, attention mask and turn ids of one micro-batch, cut to its own longest row, and the
+    frozen layers' output there (None without --lora_layers)."""
+    width = int(batch["attn"][micro].sum(1).max())
+    ids, attn, tid = (batch[k][micro, :width] for k in ("ids", "attn", "turn_ids"))  # (m, w)
+    h = batch["frozen"][micro, :width] if batch.get("frozen") is not None else None
+    return ids, attn, tid, h
+
+
 @torch.no_grad()
 def score_batch(model, value_head, batch, cfg: Config) -> None:
-    """Behaviour log-probs, critic values and (with a KL penalty) the base model's log-probs."""
+    """Behaviour log-probs, critic values and (with a KL penalty) the base model's log-probs,
+    micro-batch by micro-batch of the batch's minibatch plan (made here when the batch has none)."""
     model.eval()
-    act = batch["turn_ids"] >= 0
-    old_logp, values, ref_logp, frozen = [], [], [], []
-    for s in range(0, act.shape[0], cfg.micro_batch_size):
-        sl = slice(s, s + cfg.micro_batch_size)
-        ids, attn = batch["ids"][sl], batch["attn"][sl]
+    if "plan" not in batch:
+        batch["plan"] = minibatch_plan(batch, cfg)
+    shape = batch["ids"].shape
+    old_logp, values = torch.zeros(shape, device=batch["ids"].device), None     # (B, T)
+    ref_logp = torch.zeros_like(old_logp) if cfg.kl_coef > 0 else None
+    batch["frozen"] = None
+    for micro in (m for mb in batch["plan"] for m in mb):
+        ids, attn, tid, _ = micro_inputs(batch, micro)
+        width = ids.shape[1]
         h = frozen_states(model, ids, attn)           # None unless --lora_layers
-        frozen.append(h)
+        if h is not None:
+            if batch["frozen"] is None:
+                batch["frozen"] = h.new_zeros(*shape, h.shape[-1])                # (B, T, H)
+            batch["frozen"][micro, :width] = h
         use_adapter(model, "policy")
-        old_logp.append(token_logprobs(model, ids, attn, act[sl], cfg.temperature, h)[0])
+        old_logp[micro, :width] = token_logprobs(model, ids, attn, tid >= 0, cfg.temperature,
+                                                 h)[0]
         if cfg.uses_critic:
             use_adapter(model, "critic")
-            values.append(token_values(model, value_head, ids, attn, h))
-        if cfg.kl_coef > 0:
+            v = token_values(model, value_head, ids, attn, h)                   # (m, w)
+            if values is None:
+                values = torch.zeros(shape, dtype=v.dtype, device=v.device)
+            values[micro, :width] = v
+        if ref_logp is not None:
             with model.disable_adapter():
-                ref_logp.append(token_logprobs(model, ids, attn, act[sl], cfg.temperature, h)[0])
-    batch["frozen"] = torch.cat(frozen) if frozen[0] is not None else None   # (B, T, H)
-    batch["old_logp"] = torch.cat(old_logp)
-    batch["values"] = torch.cat(values) if values else torch.zeros_like(batch["old_logp"])
-    if ref_logp:
-        batch["ref_logp"] = torch.cat(ref_logp)
+                ref_logp[micro, :width] = token_logprobs(model, ids, attn, tid >= 0,
+                                                         cfg.temperature, h)[0]
+    batch["old_logp"] = old_logp
+    batch["values"] = values if values is not None else torch.zeros_like(old_logp)
+    if ref_logp is not None:
+        batch["ref_logp"] = ref_logp
 
 
 # --- Advantages: everything algorithmic comes from mpo.py --------------------------------------
@@ -565,22 +825,22 @@ def make_optimizer(model, value_head, cfg: Config):
     return torch.optim.AdamW(groups, weight_decay=0.0)
 
 
-def policy_backward(model, batch, micro, h, n_tok, clip: tuple[float, float],
-                    cfg: Config) -> dict:
+def policy_backward(model, batch, micro, n_tok, clip: tuple[float, float], cfg: Config) -> dict:
     """The policy loss of one micro-batch (and the KL penalty), backward into the policy
-    adapter; its statistics. `h`: the micro-batch's frozen_states; `n_tok`: the minibatch's
-    action tokens, the one denominator of its token mean."""
-    ids, attn, tid = batch["ids"][micro], batch["attn"][micro], batch["turn_ids"][micro]
+    adapter; its statistics. `n_tok`: the minibatch's action tokens, the one denominator of its
+    token mean."""
+    ids, attn, tid, h = micro_inputs(batch, micro)
+    width = ids.shape[1]
     use_adapter(model, "policy")
     logp, entropy = token_logprobs(model, ids, attn, tid >= 0, cfg.temperature, h)
     loss_pi, stats = mpo.policy_loss(                                        # MPO: turn ratio
-        logp, batch["old_logp"][micro], batch["advantages"][micro], tid,
+        logp, batch["old_logp"][micro, :width], batch["advantages"][micro, :width], tid,
         clip_eps=clip[0], ratio_level=ratio_level(cfg), clip_eps_high=clip[1],
         dual_clip=cfg.dual_clip or None,               # bounds a runaway turn ratio
         num_tokens=n_tok, validate=False)
     loss = loss_pi
     if cfg.kl_coef > 0:                   # k3 estimator of KL(π ‖ base), token mean
-        d = torch.where(tid >= 0, batch["ref_logp"][micro] - logp, 0.0)
+        d = torch.where(tid >= 0, batch["ref_logp"][micro, :width] - logp, 0.0)
         kl = torch.where(tid >= 0, d.exp() - 1 - d, 0.0).sum() / n_tok
         loss = loss + cfg.kl_coef * kl
         stats["kl_base"] = kl.detach()
@@ -588,8 +848,22 @@ def policy_backward(model, batch, micro, h, n_tok, clip: tuple[float, float],
     return {**stats, "policy_loss": loss_pi.detach(), "entropy": entropy}
 
 
+def critic_backward(model, value_head, batch, micro, n_tok, cfg: Config) -> dict:
+    """The critic loss of one micro-batch, backward into the critic adapter and value head."""
+    ids, attn, tid, h = micro_inputs(batch, micro)
+    width = ids.shape[1]
+    use_adapter(model, "critic")
+    v = token_values(model, value_head, ids, attn, h)                          # (m, w)
+    loss_v = mpo.value_loss(v, batch["values"][micro, :width], batch["returns"][micro, :width],
+                            tid, clip=cfg.value_clip or None, num_tokens=n_tok, validate=False)
+    (cfg.vf_coef * loss_v).backward()
+    return {"value_loss": loss_v.detach()}
+
+
 def update(model, value_head, opt, batch, cfg: Config) -> dict[str, float]:
-    """PPO-style epochs over the batch; returns each statistic's mean over the minibatches."""
+    """PPO-style epochs over the batch; returns each statistic's mean over the minibatches.
+    The policy adapter and the critic (adapter + value head) are clipped apart, each to its own
+    max norm, so neither's gradient scales the other's step; both norms are logged."""
     model.train()
     act = batch["turn_ids"] >= 0
     eps, eps_high = ((cfg.gspo_clip_low, cfg.gspo_clip_high) if cfg.variant == "gspo"
@@ -598,36 +872,43 @@ def update(model, value_head, opt, batch, cfg: Config) -> dict[str, float]:
     train_policy = batch.get("step", 0) >= cfg.critic_only_steps   # warm-up, VAPO pretraining
     if cfg.skip_equal_rewards and bool((batch["scores"] == batch["scores"][0]).all()):
         train_policy = False            # R(τ) the same for all: no signal but the critic's noise
-    totals, n_minibatches = {}, 0
-    params = [p for g in opt.param_groups for p in g["params"]]
-    for _ in range(cfg.ppo_epochs):
-        for mb in torch.randperm(act.shape[0]).chunk(cfg.minibatches):
-            n_tok = act[mb].sum()                   # one token mean over the whole minibatch
+    policy_params, *critic_groups = opt.param_groups
+    policy_params = policy_params["params"]
+    critic_params = [p for g in critic_groups for p in g["params"]]
+    critic_epochs = (cfg.critic_epochs or cfg.ppo_epochs) if cfg.uses_critic else 0
+    totals, counts = {}, {}
+    plan = batch.get("plan") or minibatch_plan(batch, cfg)
+    for epoch in range(max(cfg.ppo_epochs, critic_epochs)):
+        policy_now = train_policy and epoch < cfg.ppo_epochs
+        critic_now = epoch < critic_epochs
+        if epoch > 0:                   # a fresh split; the first epoch's is the scoring one
+            plan = minibatch_plan(batch, cfg)
+        for mb in plan:
+            n_tok = sum(act[micro].sum() for micro in mb)   # one token mean over the minibatch
             opt.zero_grad(set_to_none=True)
-            for micro in mb.split(cfg.micro_batch_size):
-                ids, attn, tid = batch["ids"][micro], batch["attn"][micro], batch["turn_ids"][micro]
-                h = batch["frozen"][micro] if batch["frozen"] is not None else None
-                stats = {}
-                if train_policy:          # MPO: turn ratio; backward before the critic's pass
-                    stats = policy_backward(model, batch, micro, h, n_tok, (eps, eps_high), cfg)
-                if cfg.uses_critic:
-                    use_adapter(model, "critic")
-                    v = token_values(model, value_head, ids, attn, h)
-                    loss_v = mpo.value_loss(v, batch["values"][micro], batch["returns"][micro],
-                                            tid, clip=cfg.value_clip or None, num_tokens=n_tok,
-                                            validate=False)
-                    (cfg.vf_coef * loss_v).backward()
-                    stats["value_loss"] = loss_v.detach()
+            stats = {}
+            for micro in mb:
+                part = {}
+                if policy_now:            # MPO: turn ratio; backward before the critic's pass
+                    part.update(policy_backward(model, batch, micro, n_tok, (eps, eps_high), cfg))
+                if critic_now:
+                    part.update(critic_backward(model, value_head, batch, micro, n_tok, cfg))
                 # per-micro-batch means (clip fraction, entropy) count by their share of tokens
-                token_share = float((tid >= 0).sum()) / max(float(n_tok), 1.0)
-                for name, value in stats.items():
+                token_share = float(act[micro].sum()) / max(float(n_tok), 1.0)
+                for name, value in part.items():
                     weight = 1.0 if name in loss_keys else token_share
-                    totals[name] = totals.get(name, 0.0) + float(value) * weight
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
-            opt.step()
-            totals["grad_norm"] = totals.get("grad_norm", 0.0) + float(grad_norm)
-            n_minibatches += 1
-    return {**{name: total / n_minibatches for name, total in totals.items()},
+                    stats[name] = stats.get(name, 0.0) + float(value) * weight
+            if policy_now:
+                stats["policy_grad_norm"] = float(torch.nn.utils.clip_grad_norm_(
+                    policy_params, cfg.max_grad_norm))
+            if critic_now:
+                stats["critic_grad_norm"] = float(torch.nn.utils.clip_grad_norm_(
+                    critic_params, cfg.critic_max_grad_norm))
+            opt.step()                  # parameters without a gradient are left as they are
+            for name, value in stats.items():
+                totals[name] = totals.get(name, 0.0) + value
+                counts[name] = counts.get(name, 0) + 1
+    return {**{name: total / counts[name] for name, total in totals.items()},
             "policy_updated": float(train_policy)}
 
 
@@ -763,6 +1044,9 @@ def train(argv: list[str]) -> dict:
     if prepare := presets.PRESETS[cfg.preset].prepare_model:    # e.g. tiny builds its model folder
         cfg.model = prepare(cfg, suite, supervised_warm_start)
     tok, model, value_head = load_model(cfg, device)
+    thinking = thinking_mode(tok, cfg)  # a thinking template needs --max_think_tokens
+    check_generation_config(model, generation_config(tok, cfg, False, turn_budget(cfg, thinking),
+                                                     [tok.eos_token_id]), cfg)
     opt = make_optimizer(model, value_head, cfg)
     if cfg.eval_only:
         return eval_only(ckpt, model, value_head, lambda name: evaluate(

@@ -330,7 +330,7 @@ def test_update_trains_adapters_and_value_head_never_the_base(fresh, tiny_path, 
     before = {n: p.detach().clone() for n, p in _trainable(model, value_head).items()}
     opt = train_min.make_optimizer(model, value_head, c)
     stats = train_min.update(model, value_head, opt, batch, c)
-    assert stats["policy_loss"] != 0 and stats["grad_norm"] > 0
+    assert stats["policy_loss"] != 0 and stats["policy_grad_norm"] > 0
 
     critic_trains = variant != "grpo"
     groups = {"policy": [], "critic": [], "value_head": []}
@@ -597,7 +597,7 @@ def test_resume_reproduces_an_uninterrupted_run_exactly(e2e, full_run, base, par
     rows_w = [json.loads(x) for x in (whole / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows_s] == [r["step"] for r in rows_w] == [1, 2, 3, 4]
     assert last["step"] == 4
-    assert any(r["loss/grad_norm"] > 0 and r["loss/value_loss"] > 0 for r in rows_w[2:])   # real updates
+    assert any(r["loss/policy_grad_norm"] > 0 and r["loss/value_loss"] > 0 for r in rows_w[2:])   # real updates
     for a, b in zip(rows_s, rows_w):
         assert _stable(a) == _stable(b), f"step {a['step']} differs"
     for part in ("adapters/policy/adapter_model.safetensors", "adapters/critic/adapter_model.safetensors",
@@ -855,7 +855,7 @@ def test_bf16_base_trains_float32_lora_and_its_first_minibatch_ratio_is_exactly_
         assert logp.dtype == torch.float32          # other rows than in scoring: bitwise equal
         assert logp.dtype == torch.float32
         assert torch.equal(logp[tid >= 0], old[tid >= 0])
-    assert math.isfinite(stats["policy_loss"]) and stats["grad_norm"] > 0
+    assert math.isfinite(stats["policy_loss"]) and stats["policy_grad_norm"] > 0
     states = [s for s in opt.state.values()]
     assert states and all(s["exp_avg"].dtype == torch.float32 for s in states)
 
