@@ -524,7 +524,7 @@ class TurnEnd:
 
     def _found(self, s: str, new: str) -> int:
         """End of `s` in the text if the newest characters complete it, else -1."""
-        lo = max(self.armed_at, len(self.text) - len(new) - len(s) + 1)
+        lo = max(self.armed_at or 0, len(self.text) - len(new) - len(s) + 1)
         at = self.text.find(s, lo)
         return at + len(s) if at >= 0 else -1
 
@@ -610,13 +610,19 @@ def generate_turns(model, tok, prompts: list[list[int]], cfg: Config, greedy: bo
                         cfg.max_think_tokens if thinking else None) for _ in chunk]
         rec = TurnRecorder(ends, None if greedy else cfg.temperature)
         processors = [SampledVocab(n_vocab)] if n_vocab < model.get_output_embeddings().out_features else []
-        model.generate(input_ids=ids.to(model.device), attention_mask=attn.to(model.device),
-                       generation_config=gen,
-                       logits_processor=LogitsProcessorList(processors + [rec.processor]),
-                       stopping_criteria=StoppingCriteriaList([rec.criterion]))
-        for end, logp in zip(ends, rec.logp):
+        out = model.generate(input_ids=ids.to(model.device), attention_mask=attn.to(model.device),
+                             generation_config=gen,
+                             logits_processor=LogitsProcessorList(processors + [rec.processor]),
+                             stopping_criteria=StoppingCriteriaList([rec.criterion]))
+        for end, logp, row in zip(ends, rec.logp, out[:, width:].tolist()):
+            if row[:len(end.ids)] != end.ids:
+                raise RuntimeError("generate returned other ids than its stopping criterion saw")
+            for token in row[len(end.ids):]:        # a generate that skipped the criterion
+                if end.done or end.push(token):
+                    break
             turn = Turn(end.ids)
             turn.cut = end.cut or not end.done          # generate's own length limit: a cut too
+            logp = logp + [float("nan")] * (len(end.ids) - len(logp))
             turn.sampler_logp = None if greedy else logp
             out_turns.append(turn)
     return out_turns

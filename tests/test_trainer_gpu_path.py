@@ -1,0 +1,401 @@
+"""The trainer as a 24 GB user runs it (issue 38), tested on CPU: policy and critic clipped apart,
+critic passes per batch, token-budget micro-batches, turns cut by the budget apart from format
+errors, the sampler-scorer gap, the resolved generation config, the compute dtype after k-bit
+preparation, and the thinking mode's turn end (TurnEnd). The real Qwen3 chat templates:
+tests/test_qwen3_template.py and the thinking tests at the end of this file."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+import presets
+import run_utils
+import search_env
+import train_min
+from helpers import randomise_lora_b
+
+CPU = torch.device("cpu")
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("gpu_path")
+
+
+@pytest.fixture(scope="module")
+def tiny_path(base) -> str:
+    cfg = train_min.parse_config(["--preset", "tiny", "--out_dir", str(base / "unused")])
+    return presets.build_tiny_model(base / ".tiny-qwen2", train_min.make_suite(cfg).corpus)
+
+
+def make_cfg(tiny_path, base, *extra: str) -> train_min.Config:
+    return train_min.parse_config(["--preset", "tiny", "--model", tiny_path,
+                                   "--out_dir", str(base / "unit"), *extra])
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_path, base):
+    tok, model, value_head = train_min.load_model(make_cfg(tiny_path, base), CPU)
+    randomise_lora_b(model, 0.05, seed=4321, value_head=value_head, value_head_std=0.3)
+    state = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
+    state.update({f"vh.{n}": p.detach().clone() for n, p in value_head.named_parameters()})
+    return tok, model, value_head, state
+
+
+def reset(loaded):
+    tok, model, value_head, state = loaded
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_" in n:
+                p.copy_(state[n])
+        for n, p in value_head.named_parameters():
+            p.copy_(state[f"vh.{n}"])
+    for p in list(model.parameters()) + list(value_head.parameters()):
+        p.grad = None
+    return tok, model, value_head
+
+
+def rollout_batch(tok, model, value_head, cfg, seed=0, n_questions=3, n=2):
+    torch.manual_seed(seed)
+    suite = train_min.make_suite(cfg)
+    trajs = train_min.rollout(model, tok, suite, suite.train[:n_questions], cfg, n)
+    batch = train_min.collate(trajs, tok.pad_token_id, CPU)
+    train_min.score_batch(model, value_head, batch, cfg)
+    act = batch["turn_ids"] >= 0
+    g = torch.Generator().manual_seed(seed + 1)
+    batch["advantages"] = torch.where(act, torch.randn(act.shape, generator=g), 0.0)
+    batch["returns"] = torch.where(act, torch.randn(act.shape, generator=g), 0.0)
+    return trajs, batch
+
+
+def weights(model, tag):
+    return {n: p.detach().clone() for n, p in model.named_parameters() if f".{tag}." in n}
+
+
+# --- 3. policy and critic clipped apart ---------------------------------------------------------
+
+def test_a_huge_critic_gradient_leaves_the_policy_update_unchanged(loaded, tiny_path, base):
+    """With one shared clip (the old update) a critic gradient 1e6 times larger would shrink the
+    policy's step by the same factor; clipped apart, the policy's update is bitwise the same."""
+    after, stats = {}, {}
+    for vf in ("0.5", "5e5"):
+        tok, model, value_head = reset(loaded)
+        cfg = make_cfg(tiny_path, base, "--vf_coef", vf, "--minibatches", "1")
+        _, batch = rollout_batch(tok, model, value_head, cfg)
+        before = weights(model, "policy")
+        opt = train_min.make_optimizer(model, value_head, cfg)
+        stats[vf] = train_min.update(model, value_head, opt, batch, cfg)
+        after[vf] = weights(model, "policy")
+        assert any(not torch.equal(after[vf][n], before[n]) for n in before)   # it did move
+    assert stats["5e5"]["critic_grad_norm"] > 1e4 * stats["0.5"]["critic_grad_norm"] > 0
+    assert stats["5e5"]["policy_grad_norm"] == stats["0.5"]["policy_grad_norm"] > 0
+    for n in after["0.5"]:
+        assert torch.equal(after["0.5"][n], after["5e5"][n]), n
+    assert "grad_norm" not in stats["0.5"]          # no norm that mixes the two any more
+
+
+def test_each_clip_bounds_its_own_gradient(loaded, tiny_path, base):
+    tok, model, value_head = reset(loaded)
+    cfg = make_cfg(tiny_path, base, "--minibatches", "1", "--max_grad_norm", "1e-6",
+                   "--critic_max_grad_norm", "1e-7", "--vf_coef", "100")
+    _, batch = rollout_batch(tok, model, value_head, cfg)
+    opt = train_min.make_optimizer(model, value_head, cfg)
+    seen = {}
+    real_step = opt.step
+
+    def step():                         # the gradients the optimiser sees, after clipping
+        for i, group in enumerate(opt.param_groups):
+            grads = [p.grad for p in group["params"] if p.grad is not None]
+            seen[i] = float(torch.linalg.vector_norm(torch.stack(
+                [torch.linalg.vector_norm(g) for g in grads])))
+        real_step()
+
+    opt.step = step
+    stats = train_min.update(model, value_head, opt, batch, cfg)
+    assert stats["policy_grad_norm"] > 1e-6 and stats["critic_grad_norm"] > 1e-7  # pre-clip norms
+    assert seen[0] == pytest.approx(1e-6, rel=1e-3)
+    assert math.hypot(seen[1], seen[2]) == pytest.approx(1e-7, rel=1e-3)
+
+
+def test_critic_epochs_train_the_critic_alone_in_the_extra_passes(loaded, tiny_path, base):
+    tok, model, value_head = reset(loaded)
+    cfg = make_cfg(tiny_path, base, "--critic_epochs", "3", "--minibatches", "2")
+    _, batch = rollout_batch(tok, model, value_head, cfg)
+    opt = train_min.make_optimizer(model, value_head, cfg)
+    train_min.update(model, value_head, opt, batch, cfg)
+    policy = next(p for n, p in model.named_parameters() if ".policy." in n and "lora_B" in n)
+    critic = next(p for n, p in model.named_parameters() if ".critic." in n and "lora_B" in n)
+    assert int(opt.state[policy]["step"]) == 2          # 1 epoch x 2 minibatches
+    assert int(opt.state[critic]["step"]) == 6          # 3 epochs x 2 minibatches
+    assert int(opt.state[next(iter(value_head.parameters()))]["step"]) == 6
+    with pytest.raises(ValueError, match="--critic_epochs must be"):
+        make_cfg(tiny_path, base, "--critic_epochs", "-1")
+
+
+# --- 4. token-budget micro-batches --------------------------------------------------------------
+
+def test_micro_batches_follow_the_token_budget_and_the_row_cap():
+    lengths = [100, 30, 500, 40, 90, 35, 20, 1200]
+    cfg = train_min.Config(micro_batch_size=3, micro_batch_tokens=300)
+    micro = [m.tolist() for m in train_min.micro_batches(torch.arange(8), lengths, cfg)]
+    assert micro == [[7], [2], [0, 4, 3], [5, 1, 6]]   # longest first; 1,200 and 500 alone; 3 x 100
+    assert sorted(i for m in micro for i in m) == list(range(8))
+    for m in micro:
+        assert len(m) <= 3 and (len(m) == 1 or len(m) * max(lengths[i] for i in m) <= 300)
+    rows_only = train_min.Config(micro_batch_size=3, micro_batch_tokens=0)
+    micro = [m.tolist() for m in train_min.micro_batches(torch.arange(8), lengths, rows_only)]
+    assert micro == [[7, 2, 0], [4, 3, 5], [1, 6]]
+
+
+def test_score_and_update_share_micro_batches_cut_to_their_own_width(loaded, tiny_path, base,
+                                                                     monkeypatch):
+    """Micro-batches padded to their own longest row (narrower than the batch), the same in scoring
+    and in the first epoch: the first minibatch's ratio is exactly 1."""
+    tok, model, value_head = reset(loaded)
+    cfg = make_cfg(tiny_path, base, "--minibatches", "2", "--micro_batch_size", "8",
+                   "--micro_batch_tokens", "200", "--max_new_tokens", "24")
+    _, batch = rollout_batch(tok, model, value_head, cfg, n_questions=4)
+    T = batch["ids"].shape[1]
+    lengths = batch["attn"].sum(1)
+    plan = batch["plan"]
+    assert len(plan) == 2 and sum(len(m) for mb in plan for m in mb) == len(lengths)
+    widths = [int(lengths[m].max()) for mb in plan for m in mb]
+    assert min(widths) < T              # some micro-batch is narrower than the whole batch
+    seen = []
+    real = train_min.mpo.policy_loss
+
+    def recording(logp, old_logp, advantages, turn_ids, **kw):
+        seen.append((logp.detach().clone(), old_logp.clone(), turn_ids.clone()))
+        return real(logp, old_logp, advantages, turn_ids, **kw)
+
+    monkeypatch.setattr(train_min.mpo, "policy_loss", recording)
+    opt = train_min.make_optimizer(model, value_head, cfg)
+    train_min.update(model, value_head, opt, batch, cfg)
+    first = len(plan[0])
+    assert [s[0].shape[1] for s in seen] == widths
+    for logp, old, tid in seen[:first]:
+        assert torch.equal(logp[tid >= 0], old[tid >= 0])
+
+
+# --- 5. a turn the budget cut is not a format error ----------------------------------------------
+
+def _fake_turns(tok, text, cut):
+    def fake(model, tok_, prompts, *args, **kwargs):
+        out = []
+        for _ in prompts:
+            turn = train_min.Turn(tok(text, add_special_tokens=False).input_ids)
+            turn.cut = cut
+            out.append(turn)
+        return out
+    return fake
+
+
+@pytest.mark.parametrize("cut", [True, False])
+def test_turn_truncated_is_counted_apart_from_malformed(loaded, tiny_path, base, monkeypatch,
+                                                        tmp_path, cut):
+    tok, model, value_head = reset(loaded)
+    cfg = make_cfg(tiny_path, base)
+    suite = train_min.make_suite(cfg)
+    monkeypatch.setattr(train_min, "generate_turns", _fake_turns(tok, "<search>half a que", cut))
+    trajs = train_min.rollout(model, tok, suite, suite.train[:2], cfg, 2)
+    for t in trajs:
+        assert t.done and t.reward == 0.0 and t.n_turns == 1
+        assert t.info["turn_truncated"] is cut and t.info["malformed"] is (not cut)
+    stats = run_utils.episode_stats(trajs, 2, "val/")
+    assert stats["val/turn_truncated_rate"] == float(cut)
+    assert stats["val/format_error_rate"] == float(not cut)
+    train_min.write_outcomes(trajs, suite.train[:2], 2, tmp_path / "o.jsonl")
+    import json
+    rows = [json.loads(line) for line in (tmp_path / "o.jsonl").read_text().splitlines()]
+    assert [r["turn_truncated"] for r in rows] == [cut] * 4
+    assert [r["malformed"] for r in rows] == [not cut] * 4
+
+
+def test_a_real_rollout_marks_turns_cut_by_max_new_tokens(loaded, tiny_path, base):
+    """The random tiny policy rarely closes a tag within 3 tokens: those turns are cut, and a cut
+    turn ends its episode as turn_truncated, never as malformed."""
+    tok, model, value_head = reset(loaded)
+    cfg = make_cfg(tiny_path, base, "--max_new_tokens", "3")
+    trajs, _ = rollout_batch(tok, model, value_head, cfg, n_questions=4)
+    cut = [t for t in trajs if t.info.get("turn_truncated")]
+    assert cut, [t.info for t in trajs]
+    for t in cut:
+        assert not t.info["malformed"] and sum(x == t.n_turns - 1 for x in t.turn_ids) == 3
+
+
+# --- 6. the sampler-scorer gap ------------------------------------------------------------------
+
+@pytest.mark.parametrize("temperature", ["1.0", "0.7"])
+def test_sampler_logp_matches_the_scorer_on_a_float32_model(loaded, tiny_path, base, temperature):
+    tok, model, value_head = reset(loaded)
+    cfg = make_cfg(tiny_path, base, "--temperature", temperature)
+    trajs, batch = rollout_batch(tok, model, value_head, cfg)
+    act = batch["turn_ids"] >= 0
+    sampler = batch["sampler_logp"]
+    assert torch.isfinite(sampler[act]).all() and not torch.isfinite(sampler[~act]).any()
+    assert torch.allclose(sampler[act], batch["old_logp"][act], atol=1e-4)
+    assert (sampler[act] < 0).all()
+    gap = run_utils.sampler_gap(batch)
+    assert 0 <= gap["rollout/sampler_kl"] < 1e-7
+    assert gap["rollout/sampler_max_abs_logp_diff"] < 1e-4
+
+
+def test_sampler_gap_is_the_k3_estimate_on_hand_values():
+    turn_ids = torch.tensor([[-1, 0, 0, 1], [-1, -1, 0, -1]])
+    nan = float("nan")
+    batch = {"turn_ids": turn_ids,
+             "old_logp": torch.tensor([[0.0, -1.0, -2.0, -0.5], [0.0, 0.0, -1.0, 0.0]]),
+             "sampler_logp": torch.tensor([[nan, -1.2, -2.0, nan], [nan, nan, -0.7, nan]])}
+    gap = run_utils.sampler_gap(batch)
+    logr = torch.tensor([0.2, 0.0, -0.3], dtype=torch.float64)        # scorer − sampler
+    assert gap["rollout/sampler_kl"] == pytest.approx(float((logr.exp() - 1 - logr).mean()))
+    assert gap["rollout/sampler_max_abs_logp_diff"] == pytest.approx(0.3)
+    batch["sampler_logp"] = torch.full((2, 4), nan)
+    assert run_utils.sampler_gap(batch) == {}
+
+
+# --- 7. the generation config generate resolves -------------------------------------------------
+
+def test_resolved_generation_config_is_pure_sampling_even_with_qwen_hub_defaults(loaded, tiny_path,
+                                                                                 base):
+    from transformers import GenerationConfig
+    tok, peft_model, _ = reset(loaded)
+    model = peft_model.get_base_model()         # what PeftModel.generate runs
+    cfg = make_cfg(tiny_path, base, "--temperature", "0.9")
+    saved = model.generation_config
+    try:
+        model.generation_config = GenerationConfig(temperature=0.7, top_p=0.8, top_k=20,
+                                                   repetition_penalty=1.1, do_sample=True)
+        gen = train_min.generation_config(tok, cfg, False, 8, [tok.eos_token_id])
+        train_min.check_generation_config(peft_model, gen, cfg)     # ours wins: no error
+        gen.top_k = None                                            # the hub's 20 leaks in
+        with pytest.raises(run_utils.ConfigError, match="top_k=20"):
+            train_min.check_generation_config(model, gen, cfg)
+        gen = train_min.generation_config(tok, cfg, False, 8, [tok.eos_token_id])
+        gen.repetition_penalty = None
+        with pytest.raises(run_utils.ConfigError, match="repetition_penalty=1.1"):
+            train_min.check_generation_config(model, gen, cfg)
+        gen = train_min.generation_config(tok, cfg, False, 8, [tok.eos_token_id])
+        gen.temperature = None
+        with pytest.raises(run_utils.ConfigError, match="temperature=0.7"):
+            train_min.check_generation_config(model, gen, cfg)
+        gen = train_min.generation_config(tok, cfg, False, 8, [tok.eos_token_id])
+        model.generation_config = GenerationConfig()
+        gen.top_k = None            # transformers' own default is top_k 50, not "off"
+        with pytest.raises(run_utils.ConfigError, match="top_k=50"):
+            train_min.check_generation_config(peft_model, gen, cfg)
+    finally:
+        model.generation_config = saved
+
+
+# --- 2. activations in the compute dtype after k-bit preparation --------------------------------
+
+def test_4bit_base_runs_in_bf16_after_kbit_preparation_with_float32_lora(tiny_path, base):
+    cfg = make_cfg(tiny_path, base, "--dtype", "bfloat16", "--load_in_4bit", "true")
+    tok, model, value_head = train_min.load_model(cfg, CPU)
+    import bitsandbytes as bnb
+    assert any(isinstance(m, bnb.nn.Linear4bit) for m in model.modules())
+    params = dict(model.named_parameters())
+    assert all(p.dtype == torch.float32 for n, p in params.items() if "lora_" in n)
+    floats = {p.dtype for n, p in params.items() if "lora_" not in n and p.is_floating_point()}
+    assert floats == {torch.bfloat16}, floats       # embeddings, norms, head: no float32 left
+    assert all(p.dtype == torch.float32 for p in value_head.parameters())
+    ids = torch.tensor([tok("<search>a</search>", add_special_tokens=False).input_ids])
+    attn = torch.ones_like(ids)
+    train_min.use_adapter(model, "policy")
+    with torch.no_grad():
+        h = train_min.hidden_states(model, ids, attn)
+        lp, _ = train_min.token_logprobs(model, ids, attn, torch.ones_like(ids, dtype=torch.bool))
+        v = train_min.token_values(model, value_head, ids, attn)
+    assert h.dtype == torch.bfloat16                # activations (and so the KV cache)
+    assert lp.dtype == v.dtype == torch.float32     # log-softmax and values
+    out = model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=2, do_sample=False,
+                         return_dict_in_generate=True, pad_token_id=tok.pad_token_id)
+    cache = out.past_key_values
+    assert cache.layers[0].keys.dtype == torch.bfloat16
+
+
+# --- 1. thinking: where a turn ends, and the action after </think> -------------------------------
+
+@pytest.fixture(scope="module")
+def char_tok():
+    return presets.bpe_tokenizer(["<search>x</search> <answer>y</answer> </think> thinking"])
+
+
+def ids_of(tok, text):
+    """`text` one character at a time: ids a sampler can emit, boundaries unlike BPE's."""
+    return [i for ch in text for i in tok(ch, add_special_tokens=False).input_ids]
+
+
+def play(tok, ids, **kw):
+    end = train_min.TurnEnd(tok, [tok.eos_token_id], ("</search>", "</answer>"), **kw)
+    for i in ids:
+        if end.push(i):
+            break
+    return end
+
+
+def test_turn_end_arms_stop_strings_only_after_think(char_tok):
+    tok = char_tok
+    text = "I could write </search> here.\n</think>\n\n<search>Pella</search> tail"
+    end = play(tok, ids_of(tok, text), thinking=True)
+    assert end.done and not end.cut
+    assert tok.decode(end.ids).endswith("<search>Pella</search>")
+    reasoning, action = train_min.split_reasoning(tok.decode(end.ids), True)
+    assert "</search> here" in reasoning and action.strip() == "<search>Pella</search>"
+    assert search_env.parse_action(action) == ("search", "Pella")
+    # the same turn without thinking stops at the quoted tag
+    plain = play(tok, ids_of(tok, text), thinking=False)
+    assert tok.decode(plain.ids) == "I could write </search>"
+
+
+def test_turn_end_budgets_reasoning_and_action_apart(char_tok):
+    tok = char_tok
+    long_reasoning = ids_of(tok, "hmm " * 20)
+    end = play(tok, long_reasoning, thinking=True, think_budget=10, budget=5)
+    assert end.done and end.cut and len(end.ids) == 10
+    assert train_min.split_reasoning(tok.decode(end.ids), True)[1] == ""   # no action: cut
+    ids = ids_of(tok, "ok</think>") + ids_of(tok, "<answer>yy")
+    end = play(tok, ids, thinking=True, think_budget=50, budget=5)
+    assert end.done and end.cut and len(end.ids) == len(ids_of(tok, "ok</think>")) + 5
+    end = play(tok, ids_of(tok, "<answer>y</answer>"), thinking=False, budget=100)
+    assert end.done and not end.cut and tok.decode(end.ids) == "<answer>y</answer>"
+    end = play(tok, ids_of(tok, "think") + [tok.eos_token_id] + ids_of(tok, "more"), thinking=True)
+    assert end.done and not end.cut and end.ids[-1] == tok.eos_token_id
+
+
+def test_turn_end_decodes_incrementally_in_linear_time(char_tok, monkeypatch):
+    """Each token costs two decodes of a short window, not a decode of the whole prefix: the
+    number of ids decoded grows linearly with the turn (the old cut decoded every prefix)."""
+    tok = char_tok
+    text = "é thinking ü " * 40 + "</think><search>x</search>"
+    ids = ids_of(tok, text)
+    decoded = []
+    real = tok.decode
+
+    def counting(token_ids, *a, **kw):
+        decoded.append(len(token_ids))
+        return real(token_ids, *a, **kw)
+
+    monkeypatch.setattr(tok, "decode", counting)
+    end = play(tok, ids, thinking=True)
+    monkeypatch.setattr(tok, "decode", real)
+    assert end.done and end.text == real(ids)           # the incremental text is exact
+    assert sum(decoded) <= 8 * len(ids) and max(decoded) <= 4
+
+
+def test_thinking_mode_needs_a_reasoning_budget_and_a_thinking_template(tiny_path, base):
+    tok = train_min.load_tokenizer(tiny_path)
+    cfg = make_cfg(tiny_path, base)
+    assert train_min.thinking_mode(tok, cfg) is False          # ChatML without <think>
+    with pytest.raises(run_utils.ConfigError, match="--enable_thinking: the chat template"):
+        train_min.thinking_mode(tok, make_cfg(tiny_path, base, "--enable_thinking", "true"))
+    tok.chat_template = presets.CHAT_TEMPLATE.replace("assistant\n{% endif %}",
+                                                      "assistant\n<think>\n{% endif %}")
+    with pytest.raises(run_utils.ConfigError, match="--max_think_tokens"):
+        train_min.thinking_mode(tok, cfg)
+    assert train_min.thinking_mode(tok, make_cfg(tiny_path, base, "--max_think_tokens", "8"))
