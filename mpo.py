@@ -14,8 +14,9 @@ writes token by token. MPO assigns credit at both scales:
   (M8) critic loss          1/2 (V - R)^2, token mean, R = V_rollout + A^MAE or the multi-scale
                             λ-return G_{t,i} = V + A^intra + lam_intra^(L_t - i) lam A^turn_{t+1}
 
-then the baselines ((B1) PPO token GAE and VAPO's variant, (B2) GRPO, (B3) GSPO) and Appendix
-C's critic diagnostics. Eq. (20) is the paper's; (M1)-(B3) and § are docs/paper.md's labels.
+then the baselines ((B1) PPO token GAE and VAPO's variant, (B2) GRPO, (B3) GSPO; SAO, a labelled
+reconstruction from public ports, docs/baselines.md) and Appendix C's critic diagnostics.
+Eq. (20) is the paper's; (M1)-(B3) and § are docs/paper.md's labels.
 
 Symbols: lam = λ (turn GAE), lam_intra = λ_intra (intra-turn trace), beta = β (centred correction),
 delta = δ (TD residual), rho = ρ (ratio), eps = ε (clip), sg = stop-gradient; γ = 1 (the paper's).
@@ -706,6 +707,83 @@ def grpo_advantages(scores: torch.Tensor, group_ids: torch.Tensor, turn_ids: tor
         adv = adv / (std + eps)
     adv = torch.where(n > 1, adv, torch.zeros_like(adv))                       # (B,)
     return _masked(adv[:, None].expand(turn_ids.shape), turn_ids >= 0, dtype)  # (B, T)
+
+
+# --- Baselines: SAO (Hou et al., 2026), a labelled reconstruction, not the authors' code ------
+# No official code: each choice below follows the public ports read for docs/baselines.md
+# (reef recipes/sao, unsloth PR 9309, twinkle PR 269, TorchTrade PR 261) and the paper's abstract.
+def sao_advantages(rewards: torch.Tensor, values: torch.Tensor, action_mask: torch.Tensor,
+                   alpha: float = 1.5, critic_lam: float = 1.0, whiten: bool = True,
+                   *, validate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """SAO's advantages: `vapo_advantages` with α = 1.5, the same estimator (a reconstruction).
+
+    Policy: λ_b = 1 − 1/(α · l_b), l_b the row's action-token count (α = 1.5: λ = 1/3 at l = 1,
+    0.94 at l = 12, so the clamp to [0, 1] never binds); critic: λ = 1, the Monte Carlo return.
+    α = 1.5 and critic λ = 1 as reef and twinkle (docs/baselines.md#sao-here-vs-each-source).
+    Args, returns and errors: `vapo_advantages`'s (its name appears in their messages).
+    """
+    return vapo_advantages(rewards, values, action_mask, alpha, critic_lam, whiten,
+                           validate=validate)
+
+
+def _validate_sao_loss(logp, old_logp, advantages, turn_ids, eps_low, eps_high, num_tokens,
+                       max_log_ratio) -> None:
+    _validate_logps(logp, old_logp, turn_ids)
+    _check_tensor("advantages", advantages, turn_ids)
+    _check_float("advantages", advantages, turn_ids >= 0)
+    _check_number("eps_low", eps_low, lambda v: 0 < v < 1,
+                  "a number in (0, 1), so that the band's lower edge 1 - eps_low is in (0, 1)")
+    _check_positive("eps_high", eps_high, "a finite number > 0")
+    _check_positive("max_log_ratio", max_log_ratio, _CLAMP)
+    if num_tokens is not None:
+        _check_num_tokens(num_tokens, turn_ids >= 0)
+
+
+def sao_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
+                    turn_ids: torch.Tensor, eps_low: float = 0.3, eps_high: float = 5.0,
+                    *, num_tokens: int | torch.Tensor | None = None, max_log_ratio: float = 20.0,
+                    validate: bool = True) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """SAO's strict double-sided token mask: L = −(1/N) Σ f(ρ) A, f(ρ) = ρ in the band, else 0.
+
+    ρ = exp(logp − old_logp) per token, against the policy that sampled the batch (reef, unsloth,
+    twinkle: the rollout log-probs, no proximal policy); the band is open (all four ports),
+    1 − ε_low < ρ < 1 + ε_high, and a token outside it gets no gradient whatever the sign of A
+    (PPO's clip keeps one side per sign). In the band ∂L/∂logp = −ρ A / N, the gradient of the
+    ports' −sg(f(ρ)) A log π; written as ρ A (TorchTrade's form), the loss value is the
+    surrogate's. N counts all action tokens, masked ones too (twinkle, unsloth). Defaults
+    (0.3, 5.0): every port's (their reasoning setting; coding: (0.8, 3.0)). docs/api.md.
+    Args: logp, old_logp, advantages, turn_ids as `policy_loss` (token-level: only turn_ids >= 0
+    is read); eps_low ε_low in (0, 1); eps_high ε_high > 0; num_tokens N; max_log_ratio: the clamp
+    before exp in the statistics. Returns: loss (0-dim), stats (clip_frac: share of masked action
+    tokens; mask_low_frac, mask_high_frac; approx_kl; ratio_mean, ratio_max: of ρ, all tokens).
+    """
+    if validate:
+        _validate_sao_loss(logp, old_logp, advantages, turn_ids, eps_low, eps_high, num_tokens,
+                           max_log_ratio)
+    _refuse_grad("sao_policy_loss differentiates logp only", old_logp=old_logp,
+                 advantages=advantages)
+    dtype, act, m = _compute_dtype(logp), turn_ids >= 0, _as_float(max_log_ratio)
+    log_ratio = _masked(logp.to(dtype) - old_logp.to(dtype), act, dtype)      # (B, T) ℓ = log ρ
+    ell = log_ratio.detach()
+    low = act & (ell <= math.log(1 - _as_float(eps_low)))                     # ρ ≤ 1 − ε_low
+    high = act & (ell >= math.log(1 + _as_float(eps_high)))                   # ρ ≥ 1 + ε_high
+    keep = act & ~low & ~high                                                 # (B, T) in the band
+    # f(ρ) = sg(ρ)·exp(ℓ − sg(ℓ)) in the band: value ρ, derivative ρ in its own logp; 0 outside.
+    rho_in = torch.exp(torch.where(keep, ell, torch.zeros_like(ell)))  # finite: ℓ < log(1 + ε_h)
+    A = _masked(advantages, act, dtype)                                       # (B, T)
+    term = torch.where(keep, -_own_token_ratio(log_ratio, rho_in) * A, torch.zeros_like(A))
+    n_act = torch.count_nonzero(act).clamp(min=1)
+    n = n_act if num_tokens is None else torch.as_tensor(num_tokens, device=logp.device)
+    loss = term.sum() / n
+    with torch.no_grad():
+        rho = _masked(torch.exp(ell.clamp(-m, m)), act, dtype)               # (B, T) ρ, 0 off
+        stats = {"clip_frac": torch.count_nonzero(low | high).to(dtype) / n_act,
+                 "mask_low_frac": torch.count_nonzero(low).to(dtype) / n_act,
+                 "mask_high_frac": torch.count_nonzero(high).to(dtype) / n_act,
+                 "approx_kl": _masked(rho - 1 - ell, act, dtype).sum() / n_act,
+                 "ratio_mean": rho.sum() / n_act,
+                 "ratio_max": rho.amax() if rho.numel() else rho.new_zeros(())}
+    return loss, stats
 
 
 # --- Diagnostics: explained variance, the critic's turn structure (Appendix C; §1, §3, §9) ----

@@ -405,7 +405,13 @@ def shape_config(path: str | Path):
     return AutoConfig.for_model(**fields)
 
 
-def build_shape_model(config_file: Path, path: Path, corpus: list[str], device: str) -> str:
+# Qwen3-4B-Thinking's layout for the shape check: the generation prompt opens the reasoning.
+THINKING_CHAT_TEMPLATE = CHAT_TEMPLATE.replace("assistant\n{% endif %}",
+                                               "assistant\n<think>\n{% endif %}")
+
+
+def build_shape_model(config_file: Path, path: Path, corpus: list[str], device: str,
+                      chat_template: str = CHAT_TEMPLATE) -> str:
     """The architecture of `config_file` with random weights (bf16, built on `device`: seconds for
     4B parameters on a GPU), its full vocabulary (151,936 rows), and the offline ChatML tokenizer
     (bpe_tokenizer: 1,024 ids; train_min samples only those, see train_min.sampled_vocab)."""
@@ -414,6 +420,7 @@ def build_shape_model(config_file: Path, path: Path, corpus: list[str], device: 
         return str(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tok = bpe_tokenizer(corpus)
+    tok.chat_template = chat_template
     config = shape_config(config_file)
     config.bos_token_id, config.eos_token_id = None, tok.eos_token_id
     config.pad_token_id = tok.pad_token_id
@@ -430,7 +437,8 @@ def build_shape_model(config_file: Path, path: Path, corpus: list[str], device: 
     return saved
 
 
-def prepare_shape_model(cfg, suite, fit: Callable | None = None) -> str:
+def prepare_shape_model(cfg, suite, fit: Callable | None = None,
+                        chat_template: str = CHAT_TEMPLATE) -> str:
     """`--model FILE.json` (a shape file; the shape presets' default): its model with random
     weights (no warm start: `fit` unused), built once per content in $MPO_CACHE; any other
     --model is used as given."""
@@ -441,11 +449,18 @@ def prepare_shape_model(cfg, suite, fit: Callable | None = None) -> str:
         config_file = Path(__file__).resolve().parent / config_file     # relative to the repo
     if not config_file.exists():
         raise ValueError(f"--model {cfg.model}: no such shape file (see {GPU_MODELS})")
-    content = json.dumps([config_file.read_text(), suite.corpus, SHAPE_BUILD])
+    template = [] if chat_template == CHAT_TEMPLATE else [chat_template]   # old keys unchanged
+    content = json.dumps([config_file.read_text(), suite.corpus, SHAPE_BUILD, *template])
     key = hashlib.sha1(content.encode()).hexdigest()[:12]
     device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
     return build_shape_model(config_file, model_cache() / f"shape-{config_file.stem}-{key}",
-                             suite.corpus, device)
+                             suite.corpus, device, chat_template)
+
+
+def prepare_shape_thinking_model(cfg, suite, fit: Callable | None = None) -> str:
+    """The shape model with a thinking template (THINKING_CHAT_TEMPLATE): a random model never
+    writes </think>, so every turn spends its whole reasoning budget (an upper bound again)."""
+    return prepare_shape_model(cfg, suite, fit, THINKING_CHAT_TEMPLATE)
 
 
 class LongestEpisode:
@@ -477,6 +492,15 @@ def shape_suite(cfg):
 SHAPE_QWEN25_15B = dict(model="experiments/benchmarks/gpu_models/qwen2.5-1.5b-instruct.json")
 SHAPE_QWEN3_4B = dict(model="experiments/benchmarks/gpu_models/qwen3-4b.json")
 
+# The paper's model (notes §7: Qwen3-4B-Thinking) on one 24 GB GPU. Its template opens <think>
+# at every turn; a turn is up to 768 reasoning tokens, then up to 64 for the action, and an
+# episode up to 4,096 tokens (3-4 thinking turns with their search results). NOT yet measured on
+# a GPU with real weights: gpu_check.py runs the same settings with random weights
+# (shape_qwen3_4b_thinking, every turn at its full budget) — docs/reproduction.md.
+QWEN3_THINKING = dict(model="Qwen/Qwen3-4B-Thinking-2507", max_think_tokens=768,
+                      max_new_tokens=64, max_total_tokens=4096, micro_batch_tokens=4096)
+SHAPE_QWEN3_4B_THINKING = dict(QWEN3_THINKING, model=SHAPE_QWEN3_4B["model"])
+
 
 # ---------------------------------------------------------------------------------------------
 # The registry: --preset NAME
@@ -491,4 +515,8 @@ PRESETS = {
     # the default run with random weights of the published shapes: gpu_check.py, on a GPU
     "shape_qwen25_15b": Preset(SHAPE_QWEN25_15B, prepare_shape_model, shape_suite),
     "shape_qwen3_4b": Preset(SHAPE_QWEN3_4B, prepare_shape_model, shape_suite),
+    # the paper's thinking model (§7), and its shape-true stand-in for gpu_check.py
+    "qwen3_thinking": Preset(QWEN3_THINKING),
+    "shape_qwen3_4b_thinking": Preset(SHAPE_QWEN3_4B_THINKING, prepare_shape_thinking_model,
+                                      shape_suite),
 }

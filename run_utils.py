@@ -82,11 +82,32 @@ def parse_with_presets(config_cls, presets: dict, argv=None):
         cfg.max_turns = cfg.max_hops + 1
     if cfg.variant in ("grpo", "gspo"):   # no critic to warm up (a preset's default: ignored)
         cfg.critic_warmup_steps = 0
+    if cfg.variant == "sao":            # SAO's own defaults (docs/baselines.md), unless given
+        sao_defaults(cfg, given)
     vapo_default = cfg.variant == "vapo" and "vapo_value_steps" not in given
     if vapo_default and cfg.vapo_value_steps >= cfg.steps:
         cfg.vapo_value_steps = cfg.steps // 2     # VAPO's default 50 would leave no policy update
     check_config(cfg)                   # the preset's values are checked like the user's
     return cfg
+
+
+def sao_defaults(cfg, given: set[str]) -> None:
+    """--variant sao, a labelled reconstruction (docs/baselines.md): one rollout per question and
+    as many questions as the other variants' questions x rollouts (every source: one rollout per
+    prompt, a value baseline instead of a group), K = 2 critic passes per policy pass (all four
+    public ports), 10 critic-only warm-up steps (reef, twinkle; halved, like VAPO's, when the
+    run is shorter) and plain MSE for the critic (unsloth, twinkle). A flag given wins."""
+    if "n_rollouts" not in given:
+        if "questions_per_step" not in given:
+            cfg.questions_per_step *= cfg.n_rollouts
+        cfg.n_rollouts = 1
+    if "critic_epochs" not in given:
+        cfg.critic_epochs = 2 * cfg.ppo_epochs
+    if "critic_warmup_steps" not in given:
+        cfg.critic_warmup_steps = max(cfg.critic_warmup_steps,
+                                      10 if cfg.steps > 10 else cfg.steps // 2)
+    if "value_clip" not in given:
+        cfg.value_clip = 0.0
 
 
 # Counts and ranges of Config, checked before any model is loaded or file written.
@@ -95,7 +116,8 @@ AT_LEAST_ONE = ("steps", "save_every", "eval_every", "structure_every", "n_train
                 "n_rollouts", "questions_per_step", "ppo_epochs", "minibatches",
                 "micro_batch_size", "rollout_batch_size", "eval_samples")
 POSITIVE = ("lora_alpha", "clip_eps", "clip_eps_high", "gspo_clip_low", "gspo_clip_high",
-            "max_grad_norm", "critic_max_grad_norm", "temperature", "vapo_alpha")
+            "max_grad_norm", "critic_max_grad_norm", "temperature", "vapo_alpha", "sao_alpha",
+            "sao_eps_high")
 NON_NEGATIVE = ("lora_layers", "beta", "value_clip", "vf_coef", "kl_coef", "cpu_threads",
                 "memory_cap_gb", "lr_policy", "lr_critic", "lr_value_head",   # lr 0: frozen
                 "vapo_value_steps", "critic_warmup_steps",     # 0: no critic-only warm-up
@@ -117,6 +139,9 @@ def check_config(cfg) -> None:
     if not (cfg.dual_clip == 0 or (math.isfinite(cfg.dual_clip) and cfg.dual_clip > 1)):
         raise ConfigError(f"--dual_clip must be 0 (off) or > 1 (the cap c of Ye et al., 2020), "
                           f"got {cfg.dual_clip}")
+    if not 0 < cfg.sao_eps_low < 1:
+        raise ConfigError(f"--sao_eps_low must be in (0, 1) (the band's lower edge 1 - ε_low "
+                          f"must be a ratio > 0), got {cfg.sao_eps_low}")
     if cfg.min_hops > cfg.max_hops:
         raise ConfigError(f"--min_hops ({cfg.min_hops}) exceeds --max_hops ({cfg.max_hops})")
     episodes = cfg.questions_per_step * cfg.n_rollouts
@@ -143,14 +168,17 @@ def check_config(cfg) -> None:
                           "choose one")
 
 
+GPU_PRESETS = ("default", "qwen3_thinking")     # the runs that need a 24 GB GPU
+
+
 def setup_device(cfg) -> torch.device:
     """cfg.device (default: cuda if available), its CPU threads and GPU memory cap; exit 2 with
     one hint when the default (GPU) run finds no GPU. On a GPU the allocator grows expandable
     segments (set before CUDA starts; a value the user exported wins): phases with different
     shapes (rollout, scoring, update) then reuse memory instead of fragmenting it."""
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    if cfg.preset == "default" and not torch.cuda.is_available() and cfg.device != "cpu":
-        print("No CUDA GPU found: the default run needs one (24 GB). On this machine run "
+    if cfg.preset in GPU_PRESETS and not torch.cuda.is_available() and cfg.device != "cpu":
+        print(f"No CUDA GPU found: --preset {cfg.preset} needs one (24 GB). On this machine run "
               "`python train_min.py --preset smol`, the CPU demo on a real model.",
               file=sys.stderr)
         raise SystemExit(2)

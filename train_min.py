@@ -5,6 +5,7 @@ with MPO on one 24 GB GPU, with its ablations and baselines.
     python train_min.py --variant mpo_token_is     # setting B: MPO w/ token IS
     python train_min.py --variant mpo_beta0        # setting C: β = 0 (turn GAE only)
     python train_min.py --variant ppo | grpo | gspo   # baselines
+    python train_min.py --preset qwen3_thinking    # the paper's model, Qwen3-4B-Thinking (GPU)
     python train_min.py --preset tiny              # the whole loop on CPU in < 2 minutes
     python train_min.py --preset testbed           # CPU credit-assignment task (docs/testbed.md)
 
@@ -48,7 +49,7 @@ from run_utils import (LORA_TARGETS, ConfigError, MetricsLog, StopFlag, check_ou
                        questions_at, resume, save_checkpoint, seed_everything, setup_device,
                        start_step, step_metrics)
 
-VARIANTS = ("mpo", "mpo_token_is", "mpo_beta0", "ppo", "grpo", "gspo", "vapo")
+VARIANTS = ("mpo", "mpo_token_is", "mpo_beta0", "ppo", "grpo", "gspo", "vapo", "sao")
 
 
 # --- Config ------------------------------------------------------------------------------------
@@ -60,9 +61,10 @@ def arg(default, help: str):
 @dataclass
 class Config:
     # --- run ---
-    preset: str = arg("default", "default (the paper's §10 run, GPU) | tiny | testbed: presets.py")
+    preset: str = arg("default", "default (the paper's §10 run, GPU) | qwen3_thinking (the "
+                      "paper's model, GPU) | smol | smol_hops | tiny | testbed: presets.py")
     variant: str = arg("mpo", "mpo (A) | mpo_token_is (B) | mpo_beta0 (C) | ppo | grpo | gspo "
-                       "| vapo")
+                       "| vapo | sao (a labelled reconstruction: docs/baselines.md)")
     seed: int = arg(0, "seed for sampling, data order and initialisation")
     steps: int = arg(150, "policy updates (§10: 100-150 steps)")
     out_dir: str = arg("", "run folder (default runs/<variant>-s<seed>)")
@@ -104,6 +106,11 @@ class Config:
     ppo_lam: float = arg(0.95, "λ of the PPO baseline's token GAE")
     vapo_alpha: float = arg(0.05, "VAPO: policy λ = 1 - 1/(α·l), l = response tokens")
     vapo_value_steps: int = arg(50, "VAPO: first N updates train the critic only (VAPO: 50)")
+    sao_alpha: float = arg(1.5, "SAO: policy λ = 1 - 1/(α·l), as VAPO's (reef, twinkle: 1.5)")
+    sao_eps_low: float = arg(0.3, "SAO: tokens with ratio <= 1 - ε_low get no gradient (all four "
+                             "public ports, their reasoning setting; coding: 0.8)")
+    sao_eps_high: float = arg(5.0, "SAO: tokens with ratio >= 1 + ε_high get no gradient (all "
+                              "four ports' reasoning setting; coding: 3.0)")
     critic_warmup_steps: int = arg(0, "first N updates train the critic only, so it predicts "
                                    "before its values shape advantages (ignored without a critic)")
     skip_equal_rewards: bool = arg(False, "no policy update on a batch whose episodes all score "
@@ -425,7 +432,7 @@ def thinking_mode(tok, cfg: Config) -> bool:
     if thinking and cfg.max_think_tokens < 1:
         raise ConfigError(f"--max_think_tokens: {cfg.model} reasons in <think> before every "
                           "action; give the reasoning a budget, e.g. --max_think_tokens 1024 "
-                          "(--preset qwen3_thinking sets one that fits 24 GB)")
+                          "(--preset qwen3_thinking sets 768)")
     return thinking
 
 
@@ -809,6 +816,8 @@ def compute_advantages(batch, cfg: Config) -> None:
                                       critic_target=cfg.critic_target)
     elif cfg.variant == "vapo":                     # VAPO: critic λ = 1, policy λ length-adaptive
         adv, ret = mpo.vapo_advantages(rewards, values, turn_ids >= 0, alpha=cfg.vapo_alpha)
+    elif cfg.variant == "sao":                      # SAO: VAPO's estimator at α = 1.5
+        adv, ret = mpo.sao_advantages(rewards, values, turn_ids >= 0, alpha=cfg.sao_alpha)
     elif cfg.variant == "ppo":                                       # token GAE baseline
         adv, ret = mpo.token_gae(rewards, values, turn_ids >= 0, lam=cfg.ppo_lam)
     else:                                                            # GRPO / GSPO
@@ -839,11 +848,15 @@ def policy_backward(model, batch, micro, n_tok, clip: tuple[float, float], cfg: 
     width = ids.shape[1]
     use_adapter(model, "policy")
     logp, entropy = token_logprobs(model, ids, attn, tid >= 0, cfg.temperature, h)
-    loss_pi, stats = mpo.policy_loss(                                        # MPO: turn ratio
-        logp, batch["old_logp"][micro, :width], batch["advantages"][micro, :width], tid,
-        clip_eps=clip[0], ratio_level=ratio_level(cfg), clip_eps_high=clip[1],
-        dual_clip=cfg.dual_clip or None,               # bounds a runaway turn ratio
-        num_tokens=n_tok, validate=False)
+    old_logp, adv = batch["old_logp"][micro, :width], batch["advantages"][micro, :width]
+    if cfg.variant == "sao":              # a token outside SAO's band gets no gradient
+        loss_pi, stats = mpo.sao_policy_loss(logp, old_logp, adv, tid, cfg.sao_eps_low,
+                                             cfg.sao_eps_high, num_tokens=n_tok, validate=False)
+    else:
+        loss_pi, stats = mpo.policy_loss(                                    # MPO: turn ratio
+            logp, old_logp, adv, tid, clip_eps=clip[0], ratio_level=ratio_level(cfg),
+            clip_eps_high=clip[1], dual_clip=cfg.dual_clip or None,   # bounds a runaway ratio
+            num_tokens=n_tok, validate=False)
     loss = loss_pi
     if cfg.kl_coef > 0:                   # k3 estimator of KL(π ‖ base), token mean
         d = torch.where(tid >= 0, batch["ref_logp"][micro, :width] - logp, 0.0)

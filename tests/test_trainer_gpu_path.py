@@ -399,3 +399,52 @@ def test_thinking_mode_needs_a_reasoning_budget_and_a_thinking_template(tiny_pat
     with pytest.raises(run_utils.ConfigError, match="--max_think_tokens"):
         train_min.thinking_mode(tok, cfg)
     assert train_min.thinking_mode(tok, make_cfg(tiny_path, base, "--max_think_tokens", "8"))
+
+
+# --- SAO (issue 39): --variant sao with its defaults --------------------------------------------
+
+def test_sao_variant_defaults_and_given_flags_win(tiny_path, base):
+    cfg = train_min.parse_config(["--preset", "default", "--variant", "sao", "--device", "cpu",
+                                  "--out_dir", str(base / "unit")])
+    assert (cfg.n_rollouts, cfg.questions_per_step) == (1, 64)     # 16 x 4 episodes, one each
+    assert (cfg.critic_epochs, cfg.critic_warmup_steps, cfg.value_clip) == (2, 10, 0.0)
+    assert (cfg.sao_eps_low, cfg.sao_eps_high, cfg.sao_alpha) == (0.3, 5.0, 1.5)
+    assert cfg.critic_only_steps == 10
+    short = make_cfg(tiny_path, base, "--variant", "sao")             # tiny: 4 steps
+    assert short.critic_warmup_steps == 2 and short.n_rollouts == 1
+    given = make_cfg(tiny_path, base, "--variant", "sao", "--n_rollouts", "2",
+                     "--critic_epochs", "3", "--critic_warmup_steps", "0", "--value_clip", "0.2")
+    assert (given.n_rollouts, given.critic_epochs, given.critic_warmup_steps,
+            given.value_clip) == (2, 3, 0, 0.2)
+    with pytest.raises(ValueError, match="--sao_eps_low must be in"):
+        make_cfg(tiny_path, base, "--variant", "sao", "--sao_eps_low", "1")
+    with pytest.raises(ValueError, match="--sao_eps_high must be"):
+        make_cfg(tiny_path, base, "--variant", "sao", "--sao_eps_high", "0")
+
+
+def test_sao_update_uses_the_masked_loss_and_sao_advantages(loaded, tiny_path, base, monkeypatch):
+    tok, model, value_head = reset(loaded)
+    cfg = make_cfg(tiny_path, base, "--variant", "sao", "--critic_warmup_steps", "0",
+                   "--minibatches", "1")
+    _, batch = rollout_batch(tok, model, value_head, cfg, n_questions=4, n=1)
+    batch["scores"] = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    train_min.compute_advantages(batch, cfg)
+    act = batch["turn_ids"] >= 0
+    rewards = train_min.mpo.outcome_rewards(batch["scores"], batch["turn_ids"])
+    adv, ret = train_min.mpo.vapo_advantages(rewards, batch["values"], act, alpha=1.5)
+    assert torch.equal(batch["advantages"], adv) and torch.equal(batch["returns"], ret)
+    calls = []
+    real = train_min.mpo.sao_policy_loss
+
+    def recording(*args, **kw):
+        calls.append(args[4:6])
+        return real(*args, **kw)
+
+    monkeypatch.setattr(train_min.mpo, "sao_policy_loss", recording)
+    monkeypatch.setattr(train_min.mpo, "policy_loss", None)          # must not be used
+    before = weights(model, "policy")
+    opt = train_min.make_optimizer(model, value_head, cfg)
+    stats = train_min.update(model, value_head, opt, batch, cfg)
+    assert calls and all(c == (0.3, 5.0) for c in calls)
+    assert stats["clip_frac"] == 0.0 and stats["policy_grad_norm"] > 0   # ratio 1: all kept
+    assert any(not torch.equal(p, before[n]) for n, p in weights(model, "policy").items())

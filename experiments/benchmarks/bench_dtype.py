@@ -4,6 +4,7 @@
     python experiments/benchmarks/bench_dtype.py --steps 1       # quicker (~5 min)
     python experiments/benchmarks/bench_dtype.py --generate      # generate: rows per call, cache
     python experiments/benchmarks/bench_dtype.py --audit         # real rollouts hold sampled ids only
+    python experiments/benchmarks/bench_dtype.py --against 3286c49   # this trainer vs a commit's
 
 Both models are loaded from the same warm-started SmolLM2 (presets.prepare_smol_model), one with
 `--dtype float32`, one with `--dtype bfloat16`, each with its own optimiser, and trained on the same
@@ -45,21 +46,60 @@ def matmul_rate(dtype: torch.dtype, m=16 * 320, k=576, n=1536, repeats=10) -> fl
     return 2 * m * k * n * repeats / (time.perf_counter() - t)
 
 
-def load(dtype: str, argv: list[str]):
-    """The smol preset's model (warm-started, cached) at `dtype`; argv: more train_min flags."""
-    cfg = train_min.parse_config(["--preset", "smol", "--dtype", dtype, "--out_dir",
-                                  f"/tmp/bench-dtype-{dtype}", *argv])
+def load(dtype: str, argv: list[str], tm=train_min):
+    """The smol preset's model (warm-started, cached) at `dtype`; argv: more train_min flags;
+    `tm`: the train_min module (train_min_at: another commit's)."""
+    cfg = tm.parse_config(["--preset", "smol", "--dtype", dtype, "--out_dir",
+                           f"/tmp/bench-dtype-{dtype}", *argv])
     seed_everything(cfg.seed)
-    suite = train_min.make_suite(cfg)
-    cfg.model = train_min.presets.PRESETS["smol"].prepare_model(
-        cfg, suite, train_min.supervised_warm_start)
-    tok, model, value_head = train_min.load_model(cfg, torch.device("cpu"))
-    return cfg, suite, tok, model, value_head, train_min.make_optimizer(model, value_head, cfg)
+    suite = tm.make_suite(cfg)
+    cfg.model = tm.presets.PRESETS["smol"].prepare_model(cfg, suite, tm.supervised_warm_start)
+    tok, model, value_head = tm.load_model(cfg, torch.device("cpu"))
+    return cfg, suite, tok, model, value_head, tm.make_optimizer(model, value_head, cfg), tm
+
+
+def train_min_at(ref: str):
+    """train_min.py as it was at git commit `ref`, imported as its own module beside today's
+    (both use today's mpo.py, run_utils.py and presets.py)."""
+    import importlib.util
+    import subprocess
+    import tempfile
+    root = Path(__file__).resolve().parents[2]
+    src = subprocess.run(["git", "show", f"{ref}:train_min.py"], cwd=root, check=True,
+                         capture_output=True, text=True).stdout
+    path = Path(tempfile.mkdtemp()) / f"train_min_{ref}.py"
+    path.write_text(src)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = module                 # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def bench_against(args, extra) -> None:
+    """The smol step of today's trainer against train_min.py at --against, alternating, same
+    questions and seeds (both at --dtype auto)."""
+    runs = {"before": load("auto", extra, train_min_at(args.against)), "after": load("auto", extra)}
+    times = {name: [] for name in runs}
+    for i in range(1, args.steps + 1):
+        for name in (("before", "after") if i % 2 else ("after", "before")):
+            r = step(runs[name], i)
+            times[name].append(r)
+            print(f"step {i} {name:6s}: " + " | ".join(f"{p} {r[p]:6.1f} s" for p in PHASES)
+                  + f" | {sum(r[p] for p in PHASES):6.1f} s/step, {r['tokens']} tokens",
+                  flush=True)
+    med = {n: {p: statistics.median(r[p] for r in times[n]) for p in PHASES} for n in runs}
+    for n in runs:
+        print(f"{n:6s}: {sum(med[n].values()):6.1f} s/step (median of {args.steps}) = "
+              + " + ".join(f"{p} {med[n][p]:.1f}" for p in PHASES))
+    ratio = sum(med["after"].values()) / sum(med["before"].values())
+    print(f"after / before ({args.against}) per step: {ratio:.2f}x ("
+          + ", ".join(f"{p} {med['after'][p] / med['before'][p]:.2f}x" for p in PHASES) + ")")
 
 
 def step(run, step_i: int, count_flops: bool = False) -> dict:
     """One training step, train_min.train_step: seconds (or FLOPs) per phase."""
-    cfg, suite, tok, model, value_head, opt = run
+    cfg, suite, tok, model, value_head, opt, train_min = run
     seed_everything(1000 + step_i)                  # both dtypes sample from the same stream
     out, ratios = {}, []
     real_loss = mpo.policy_loss
@@ -241,11 +281,14 @@ def main() -> None:
     p.add_argument("--generate", action="store_true", help="time generate settings instead")
     p.add_argument("--repeats", type=int, default=2, help="--generate: repeats per setting")
     p.add_argument("--audit", action="store_true", help="check a real rollout's ids instead")
+    p.add_argument("--against", default="", help="a git commit: time today's step against "
+                   "train_min.py at that commit instead (e.g. 3286c49)")
     p.add_argument("--seed", type=int, default=0, help="--audit: sampling seed")
     args, extra = p.parse_known_args()              # the rest: train_min flags, e.g. --seed 1
     if args.steps < 1 or args.repeats < 1:
         p.error("--steps and --repeats must be >= 1")
-    (audit if args.audit else bench_generate if args.generate else bench_steps)(args, extra)
+    (audit if args.audit else bench_generate if args.generate
+     else bench_against if args.against else bench_steps)(args, extra)
 
 
 if __name__ == "__main__":
