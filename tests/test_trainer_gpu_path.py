@@ -448,3 +448,61 @@ def test_sao_update_uses_the_masked_loss_and_sao_advantages(loaded, tiny_path, b
     assert calls and all(c == (0.3, 5.0) for c in calls)
     assert stats["clip_frac"] == 0.0 and stats["policy_grad_norm"] > 0   # ratio 1: all kept
     assert any(not torch.equal(p, before[n]) for n, p in weights(model, "policy").items())
+
+
+# --- 1. a thinking rollout: reasoning kept as sampled, the action read after </think> -----------
+
+class ScriptedRows:
+    """Stands in for the model in `rollout`: each generate call returns, for every row, the next
+    scripted turn followed by junk (as a batch's finished rows are padded, or a model that goes
+    on), without calling the stopping criterion: generate_turns replays the row through TurnEnd."""
+    device = torch.device("cpu")
+
+    def __init__(self, script, vocab):
+        self.script, self.calls = script, 0
+        self.lm_head = torch.nn.Linear(1, vocab, bias=False, device="meta")
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def eval(self):
+        return self
+
+    def set_adapter(self, name):
+        pass
+
+    def generate(self, input_ids, attention_mask, generation_config, **kwargs):
+        turn = self.script[self.calls]
+        self.calls += 1
+        new = torch.tensor([turn] * input_ids.shape[0])
+        return torch.cat([input_ids, new], dim=1)
+
+
+def test_thinking_rollout_reads_the_action_after_think_and_keeps_the_reasoning(loaded, tiny_path,
+                                                                              base, char_tok):
+    tok = train_min.load_tokenizer(tiny_path)
+    tok.chat_template = presets.THINKING_CHAT_TEMPLATE      # Qwen3-4B-Thinking's layout
+    cfg = make_cfg(tiny_path, base, "--max_think_tokens", "200", "--max_new_tokens", "40",
+                   "--max_total_tokens", "4096", "--max_turns", "3")
+    suite = train_min.make_suite(cfg)
+    q = suite.train[0]
+    query = q.gold_queries[0]
+    turn0 = ids_of(tok, f"Maybe <search>wrong</search> first? No.\n</think>\n\n<search>{query}</search>")
+    junk = ids_of(tok, " and more")
+    turn1 = ids_of(tok, "hmm " * 60)                          # reasoning past its budget: cut
+    model = ScriptedRows([turn0 + junk, turn1], len(tok))
+    trajs = train_min.rollout(model, tok, suite, [q], cfg, 1)
+    t = trajs[0]
+    assert t.n_turns == 2 and t.done
+    first = [x for x, k in zip(t.ids, t.turn_ids) if k == 0]
+    assert first == turn0                                     # reasoning kept, junk dropped
+    assert t.messages[2]["content"].startswith("Maybe <search>wrong</search>")  # as sampled
+    obs_start = t.turn_ids.index(0) + len(turn0)
+    prompt_text = tok.decode(t.ids[:t.turn_ids.index(0)])
+    assert prompt_text.endswith("<|im_start|>assistant\n<think>\n")
+    between = tok.decode(t.ids[obs_start:t.turn_ids.index(1)])
+    assert "<information>" in between and between.endswith("assistant\n<think>\n")
+    second = [x for x, k in zip(t.ids, t.turn_ids) if k == 1]
+    assert len(second) == 200                                 # the reasoning budget
+    assert t.info["turn_truncated"] is True and t.info["malformed"] is False
+    assert t.reward == 0.0
