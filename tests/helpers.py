@@ -1,6 +1,9 @@
 """Helpers shared by the tests: run_main for the tests that run train_min.py's main loop
-in-process, randomise_lora_b for the tests that need LoRA adapters that change the output."""
+in-process, randomise_lora_b for the tests that need LoRA adapters that change the output,
+qwen3_tokenizer / tiny_qwen3_model_dir for the tests that need the real Qwen3 chat templates."""
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 
@@ -33,3 +36,83 @@ def randomise_lora_b(model: torch.nn.Module, std: float,
         for p, s in zip(params, stds):
             p.copy_(s * torch.randn(p.shape, generator=g))
     return g
+
+
+# ---------------------------------------------------------------------------------------------
+# Qwen3's real chat templates on a tiny offline tokenizer (tests/fixtures/QWEN3_TEMPLATES.md)
+# ---------------------------------------------------------------------------------------------
+
+FIXTURES = Path(__file__).parent / "fixtures"
+QWEN3_TEMPLATE_FILES = {          # template name -> the verbatim chat_template kept in fixtures/
+    "thinking_2507": "qwen3_4b_thinking_2507.jinja",   # Qwen/Qwen3-4B-Thinking-2507
+    "hybrid": "qwen3_4b.jinja",                        # Qwen/Qwen3-4B (enable_thinking)
+}
+QWEN3_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]   # ids 0, 1, 2; special
+QWEN3_THINK = ["<think>", "</think>"]     # added tokens that are NOT special, as in Qwen3: decode(
+#                                           skip_special_tokens=True) keeps them. The templates
+#                                           write <tool_call>/<tool_response> only with tools, which
+#                                           these tests never pass, so those are left out.
+QWEN3_CORPUS = [                  # a little local text for the BPE: chat words, searches, answers
+    "You are a helpful assistant. Answer the question with a search, then answer.",
+    "<search>who wrote the origin of species</search> <answer>Charles Darwin</answer>",
+    "<search>capital of France</search> <answer>Paris</answer> <search>x</search>",
+    "I think. Let me think about the question step by step before I answer it.",
+    "Observation: the document says the answer is in the first paragraph of the page.",
+    "system user assistant question answer search document title paragraph result",
+    "Doc 1 (Title: Paris) Paris is the capital and largest city of France.",
+    "Doc 2 (Title: Darwin) Charles Darwin wrote On the Origin of Species in 1859.",
+    "0 1 2 3 4 5 6 7 8 9 10 100 1859 2025, . ; : ! ? ( ) [ ] { } < > / \\ ' \" - _ = + *",
+] * 4
+
+
+def qwen3_chat_template(template: str = "thinking_2507") -> str:
+    """The verbatim chat_template of Qwen/Qwen3-4B-Thinking-2507 ("thinking_2507") or of the
+    hybrid Qwen/Qwen3-4B ("hybrid"), read from tests/fixtures/."""
+    if template not in QWEN3_TEMPLATE_FILES:
+        raise ValueError(f"template must be one of {sorted(QWEN3_TEMPLATE_FILES)}, not {template!r}")
+    return (FIXTURES / QWEN3_TEMPLATE_FILES[template]).read_text(encoding="utf-8")
+
+
+def qwen3_tokenizer(template: str = "thinking_2507", vocab: int = 512):
+    """An offline byte-level BPE (`vocab` merges-and-bytes tokens trained on QWEN3_CORPUS, in
+    well under a second) with Qwen3's tokens and the real Qwen3 chat template `template` (see
+    qwen3_chat_template): <|endoftext|> (pad, id 0), <|im_start|> (1), <|im_end|> (eos, 2) special,
+    then <think> and </think> as added, non-special, unnormalised tokens (the last two ids)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(QWEN3_CORPUS, trainers.BpeTrainer(
+        vocab_size=vocab, special_tokens=QWEN3_SPECIAL,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>",
+                                  pad_token="<|endoftext|>", padding_side="left")
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.add_tokens([AddedToken(t, special=False, normalized=False, lstrip=False, rstrip=False,
+                               single_word=False) for t in QWEN3_THINK])
+    tok.chat_template = qwen3_chat_template(template)
+    return tok
+
+
+def tiny_qwen3_model_dir(path, template: str = "thinking_2507", seed: int = 0) -> Path:
+    """Save a tiny random Qwen3 (2 layers, hidden 64, ~0.1M parameters, float32) and
+    qwen3_tokenizer(template) into the folder `path` (created; e.g. pytest's tmp_path), loadable
+    offline with AutoModelForCausalLM / AutoTokenizer.from_pretrained. Returns the folder."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tok = qwen3_tokenizer(template)
+    config = AutoConfig.for_model(
+        "qwen3", hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=128, head_dim=16, vocab_size=len(tok),
+        max_position_embeddings=2048, tie_word_embeddings=True,
+        bos_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path

@@ -506,3 +506,59 @@ def test_thinking_rollout_reads_the_action_after_think_and_keeps_the_reasoning(l
     assert len(second) == 200                                 # the reasoning budget
     assert t.info["turn_truncated"] is True and t.info["malformed"] is False
     assert t.reward == 0.0
+
+
+# --- 1. with Qwen3's real chat templates (tests/fixtures, helpers.qwen3_tokenizer) ---------------
+
+@pytest.mark.parametrize("template,enable,thinks", [("thinking_2507", "false", True),
+                                                    ("thinking_2507", "true", True),
+                                                    ("hybrid", "false", False),
+                                                    ("hybrid", "true", True)])
+def test_thinking_mode_follows_the_real_qwen3_templates(tiny_path, base, template, enable, thinks):
+    from helpers import qwen3_tokenizer
+    tok = qwen3_tokenizer(template)
+    cfg = make_cfg(tiny_path, base, "--enable_thinking", enable, "--max_think_tokens", "16")
+    assert train_min.thinking_mode(tok, cfg) is thinks
+    if thinks:                          # the paper's model without a reasoning budget: refused
+        with pytest.raises(run_utils.ConfigError, match="--max_think_tokens"):
+            train_min.thinking_mode(tok, make_cfg(tiny_path, base, "--enable_thinking", enable))
+
+
+@pytest.fixture(scope="module")
+def qwen3_loaded(base, tiny_path):
+    from helpers import tiny_qwen3_model_dir
+    path = tiny_qwen3_model_dir(base / "tiny-qwen3-2507", "thinking_2507")
+    cfg = make_cfg(tiny_path, base, "--model", str(path), "--load_in_4bit", "false",
+                   "--max_think_tokens", "12", "--max_new_tokens", "6", "--max_turns", "2",
+                   "--max_total_tokens", "2048")
+    tok, model, value_head = train_min.load_model(cfg, CPU)
+    return cfg, tok, model, value_head
+
+
+def test_a_real_generate_on_the_thinking_template_ends_turns_as_turn_end_says(qwen3_loaded):
+    """A tiny random Qwen3 with Qwen3-4B-Thinking's template, sampled by the real `generate`
+    under the turn's stopping criterion: each turn either closes its reasoning (then at most
+    --max_new_tokens more) or is cut at --max_think_tokens, ends at <|im_end|>, and its
+    sampler log-probs match the scorer's."""
+    cfg, tok, model, value_head = qwen3_loaded
+    suite = train_min.make_suite(cfg)
+    torch.manual_seed(5)
+    trajs = train_min.rollout(model, tok, suite, suite.train[:4], cfg, 2)
+    think_end = tok.convert_tokens_to_ids("</think>")
+    for t in trajs:
+        for k in range(t.n_turns):
+            turn = [x for x, j in zip(t.ids, t.turn_ids) if j == k]
+            if think_end in turn:
+                assert len(turn) - turn.index(think_end) - 1 <= 6
+            else:
+                assert len(turn) == 12 or turn[-1] == tok.eos_token_id, tok.decode(turn)
+        start = t.turn_ids.index(0)
+        assert tok.decode(t.ids[:start]).endswith("<|im_start|>assistant\n<think>\n")
+        last = [x for x, j in zip(t.ids, t.turn_ids) if j == t.n_turns - 1]
+        if think_end not in last and len(last) == 12:    # reasoning cut at its budget
+            assert t.info["turn_truncated"] and not t.info["malformed"]
+    batch = train_min.collate(trajs, tok.pad_token_id, CPU)
+    train_min.score_batch(model, value_head, batch, cfg)
+    act = batch["turn_ids"] >= 0
+    assert torch.allclose(batch["sampler_logp"][act], batch["old_logp"][act], atol=1e-4)
+    assert any(t.info["turn_truncated"] for t in trajs)       # a random model rarely closes
