@@ -1032,6 +1032,7 @@ def train_step(model, value_head, opt, tok, suite: Suite, cfg: Config, step: int
                                                    step * cfg.questions_per_step,
                                                    cfg.questions_per_step)]
     trajs = phase("generate", lambda: rollout(model, tok, suite, tasks, cfg, cfg.n_rollouts))
+    free_cached(device)                 # the KV cache's blocks: the update has other shapes
     batch = collate(trajs, tok.pad_token_id, device)
     phase("score", lambda: score_batch(model, value_head, batch, cfg))   # old log-probs, V
     # --- advantages ---
@@ -1039,7 +1040,15 @@ def train_step(model, value_head, opt, tok, suite: Suite, cfg: Config, step: int
     compute_advantages(batch, cfg)                                   # MPO: Eq. (20) advantages
     # --- update ---
     stats = phase("update", lambda: update(model, value_head, opt, batch, cfg))
+    free_cached(device)                 # activations' blocks: the next rollout has other shapes
     return trajs, batch, stats, times
+
+
+def free_cached(device) -> None:
+    """Hand the allocator's cached, unused blocks back between phases on a GPU (rollout, update
+    and evaluation allocate different shapes); rows_per_generate then sees them as free."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def main(argv=None) -> dict:

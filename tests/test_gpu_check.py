@@ -277,7 +277,10 @@ def fake_summary() -> dict:
             "reserved_gb": {"rollout": 10.0, "score": 12.0, "update": 19.0},
             "batch_shape": [64, 2048], "generate_rows": [32, 32]}
     runs = [{"model": "qwen3-4b", "setting": "A", "variant": "mpo", "status": "ok",
-             "argv": ["--preset", "shape_qwen3_4b"], "wall_s": 80.0, "steps": [step, step]},
+             "argv": ["--preset", "shape_qwen3_4b"], "wall_s": 80.0, "steps": [step, step],
+             "shape": {"questions_per_step": 16, "n_rollouts": 4, "max_turns": 5,
+                       "max_new_tokens": 96, "max_think_tokens": 0, "micro_batch_tokens": 6144,
+                       "rollout_batch_size": 64}},
             {"model": "qwen3-4b", "setting": "C", "variant": "mpo_beta0",
              "status": "skipped: 20 s left, a run needs ~80 s", "argv": [], "wall_s": None,
              "steps": []}]
@@ -305,6 +308,7 @@ def test_logprob_memory_stage_gives_its_children_the_checks_environment(monkeypa
     check.summary = {"machine": {}, "stages": {}}
     check.env = {"PYTHONPATH": "/tmp/site"}
     check.say = lambda text: None
+    check.left = lambda: 300.0          # seconds of the budget left: enough
     check.logprob_memory()
     assert seen and all(env is check.env for env in seen)
     assert check.summary["stages"]["logprob_memory"]["rc"] == 0
@@ -320,9 +324,16 @@ def test_summary_files_have_the_documented_schema(tmp_path):
             assert set(gpu_check.STEP_KEYS) <= step.keys()
             assert set(step["seconds"]) == set(gpu_check.PHASES)
     md = (tmp_path / "gpu_check.md").read_text()
-    row = "| qwen3-4b | A (mpo) | ok | [64, 2048] | 10.0 / 2.0 / 8.0 | 9.5 / 11.0 / 17.2 | 19.0 |"
+    row = ("| qwen3-4b | A (mpo) | 4bit | ok | 16x4, 5 turns x 96 tok, mb 6144 tok | [64, 2048] | "
+           "10.0 / 2.0 / 8.0 | 9.5 / 11.0 / 17.2 | 19.0 | yes |")
     assert row in md
-    assert "| qwen3-4b | C (mpo_beta0) | skipped" in md
+    run = data["runs"][0]       # derived: the last step's seconds, the peak reserved, the fit
+    assert (run["step_s"], run["peak_reserved_gb"], run["fits_24gb_with_2gb_spare"],
+            run["rollout_memory_bound"]) == (20.0, 19.0, True, True)    # 32 rows a call < 64
+    assert data["defaults"]["qwen3-4b"]["default"] is None             # no bf16 run: open
+    assert "- qwen3-4b: default undecided (4bit: 20.0 s/step, peak reserved 19.0 GB, fits; " \
+           "bf16: not run)" in md
+    assert "| qwen3-4b | C (mpo_beta0) | 4bit | skipped" in md
     assert gpu_check.ok(data)
     data["runs"][0]["status"] = "failed (rc 1): Traceback"
     assert not gpu_check.ok(data)
@@ -333,3 +344,125 @@ def test_gpu_check_refuses_bad_flags_naming_them(tmp_path):
                        (["--wheels", str(tmp_path / "none")], "--wheels")):
         with pytest.raises(ValueError, match=flag):
             gpu_check.main([*argv, "--out", str(tmp_path)])
+
+
+# ---------------------------------------------------------------------------------------------
+# The plan, the fit verdict and the default base
+# ---------------------------------------------------------------------------------------------
+
+def test_plan_runs_by_priority():
+    names = [r[0] for r in gpu_check.plan()]
+    assert names[:2] == ["qwen3-4b-A-4bit", "qwen3-4b-thinking-A-4bit"]   # 4B's update, thinking
+    pairs = names[2:5]                  # then the bf16 base against 4-bit, both models
+    assert set(pairs) == {"qwen2.5-1.5b-A-4bit", "qwen2.5-1.5b-A-bf16", "qwen3-4b-A-bf16"}
+    assert names[5:] == ["qwen2.5-1.5b-B-4bit", "qwen2.5-1.5b-C-4bit",       # then B and C,
+                         "qwen3-4b-B-4bit", "qwen3-4b-C-4bit"]               # 1.5B first
+    thinking = gpu_check.MODELS["qwen3-4b-thinking"]
+    assert thinking[0] == "shape_qwen3_4b_thinking" and thinking[0] in presets.PRESETS
+    assert all(b in gpu_check.BASES for *_, b, _ in gpu_check.plan())
+    assert [r[0] for r in gpu_check.plan(["qwen3-4b-C-4bit", "qwen2.5-1.5b-A-bf16"])] == [
+        "qwen2.5-1.5b-A-bf16", "qwen3-4b-C-4bit"]                            # the plan's order
+    with pytest.raises(ValueError, match="--runs qwen9-A-4bit: no such run; the plan: qwen3-4b"):
+        gpu_check.plan(["qwen9-A-4bit"])
+
+
+def made_up_run(model, base, reserved, seconds=(10.0, 2.0, 8.0), status="ok", rows=(16, 4),
+                setting="A", preset="shape_qwen3_4b"):
+    """A run record with one step: `reserved` GB at every phase it reached (`seconds` may be
+    shorter than the three phases: a run cut short)."""
+    phases = gpu_check.PHASES[:len(seconds)]
+    step = {"step": 1, "seconds": dict(zip(phases, seconds)),
+            "peak_gb": {p: reserved - 1 for p in phases}, "reserved_gb": {p: reserved for p in phases},
+            "batch_shape": [64, 1555], "generate_rows": [64]}
+    return {"model": model, "setting": setting, "base": base, "variant": "mpo", "preset": preset,
+            "status": status, "argv": [], "wall_s": 30.0, "steps": [step] if seconds else [],
+            "shape": {"questions_per_step": rows[0], "n_rollouts": rows[1]}}
+
+
+@pytest.mark.parametrize("reserved, fits", [(21.5, True), (21.51, False), (None, None)])
+def test_fit_line_is_21_5_gb_reserved(reserved, fits):
+    run = made_up_run("m", "4bit", 0.0 if reserved is None else reserved)
+    if reserved is None:                # a CPU run: no GPU memory figures
+        for p in gpu_check.PHASES:
+            run["steps"][0]["reserved_gb"][p] = None
+    assert gpu_check.fits_24gb(run) is fits
+
+
+def test_fit_verdict_of_runs_that_did_not_finish():
+    cut = made_up_run("m", "4bit", 23.9, seconds=(139.0, 14.6), status="failed (rc timeout)")
+    assert gpu_check.fits_24gb(cut) is False            # already past the line: certainly no
+    cut_low = made_up_run("m", "4bit", 18.0, seconds=(139.0,), status="failed (rc timeout)")
+    assert gpu_check.fits_24gb(cut_low) is None         # the update might still cross it
+    oom = made_up_run("m", "4bit", 18.0, seconds=(50.0,), status="out of memory in update: x")
+    assert gpu_check.fits_24gb(oom) is False
+    skipped = made_up_run("m", "4bit", 0, seconds=(), status="skipped: 9 s left")
+    assert gpu_check.fits_24gb(skipped) is None and gpu_check.step_seconds(skipped) is None
+
+
+def test_default_choice_is_the_faster_base_that_fits():
+    choose = lambda *runs: {m: d["default"] for m, d in gpu_check.default_choice(list(runs)).items()}
+    fast_bf16 = made_up_run("1.5b", "bf16", 12.0, seconds=(20.0, 2.0, 8.0))    # 30 s
+    slow_4bit = made_up_run("1.5b", "4bit", 16.0, seconds=(50.0, 5.0, 20.0))   # 75 s
+    assert choose(slow_4bit, fast_bf16) == {"1.5b": "bf16"}
+    # faster but over the line: the slower base that fits wins
+    big_bf16 = made_up_run("4b", "bf16", 21.6, seconds=(20.0, 2.0, 8.0))
+    assert choose(made_up_run("4b", "4bit", 20.0, seconds=(90.0, 9.0, 40.0)), big_bf16) == {
+        "4b": "4bit"}
+    # an out-of-memory 4-bit run: bf16 if it fits
+    assert choose(made_up_run("4b", "4bit", 23.0, seconds=(139.0,), status="out of memory in "
+                              "rollout: CUDA"), fast_bf16 | {"model": "4b"}) == {"4b": "bf16"}
+    # one base not run or cut short below the line: open, even though the other fits
+    assert choose(slow_4bit) == {"1.5b": None}
+    assert choose(slow_4bit, made_up_run("1.5b", "bf16", 12.0, seconds=(20.0,),
+                                         status="failed (rc timeout)")) == {"1.5b": None}
+    # neither fits: none
+    assert choose(made_up_run("4b", "4bit", 23.0), big_bf16) == {"4b": None}
+    # compared per episode when the shapes differ: 40 s for 16 x 4 beats 30 s for 8 x 4
+    assert choose(made_up_run("4b", "4bit", 20.0, seconds=(30.0, 5.0, 5.0)),
+                  made_up_run("4b", "bf16", 20.0, seconds=(20.0, 5.0, 5.0), rows=(8, 4))) == {
+        "4b": "4bit"}
+    # settings B and C and the thinking preset do not decide it; old records count as 4-bit
+    other = [made_up_run("1.5b", "bf16", 12.0, seconds=(1.0, 1.0, 1.0), setting="B"),
+             made_up_run("4b-thinking", "4bit", 20.0, preset="shape_qwen3_4b_thinking")]
+    old = {k: v for k, v in slow_4bit.items() if k != "base"}
+    assert choose(old, made_up_run("1.5b", "bf16", 30.0), *other) == {"1.5b": "4bit"}
+    why = gpu_check.default_choice([slow_4bit, fast_bf16])["1.5b"]["why"]
+    assert why == ("4bit: 75.0 s/step, peak reserved 16.0 GB, fits; "
+                   "bf16: 30.0 s/step, peak reserved 12.0 GB, fits")
+
+
+# ---------------------------------------------------------------------------------------------
+# The dry run (tiny shapes on CPU): the new run kinds, and the budget's skips
+# ---------------------------------------------------------------------------------------------
+
+def test_dry_run_runs_the_thinking_preset_and_the_bf16_base(tmp_path):
+    rc = gpu_check.main(["--dry_run", "--runs", "qwen3-4b-thinking-A-4bit", "qwen2.5-1.5b-A-bf16",
+                         "--skip", "cuda_tests", "bench_mpo", "logprob_memory",
+                         "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work")])
+    data = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+    runs = {r["name"]: r for r in data["runs"]}
+    assert rc == 0 and list(runs) == ["qwen3-4b-thinking-A-4bit", "qwen2.5-1.5b-A-bf16"], runs
+    thinking, bf16 = runs.values()
+    for run in runs.values():
+        assert run["status"] == "ok" and len(run["steps"]) == 1
+        assert set(run["steps"][0]["seconds"]) == set(gpu_check.PHASES)
+        assert run["step_s"] > 0 and run["fits_24gb_with_2gb_spare"] is None     # no GPU
+    assert thinking["preset"] == "shape_qwen3_4b_thinking"
+    assert thinking["shape"]["max_think_tokens"] == 8 and thinking["shape"]["load_in_4bit"]
+    assert thinking["shape"]["micro_batch_tokens"] == 4096          # the preset's own
+    assert bf16["base"] == "bf16" and bf16["shape"]["load_in_4bit"] is False
+    md = (tmp_path / "out" / "gpu_check.md").read_text()
+    assert "| qwen3-4b-thinking | A (mpo) | 4bit | ok | 2x2, 2 turns x 8+8 tok" in md
+    assert "| qwen2.5-1.5b | A (mpo) | bf16 | ok |" in md
+    assert "- qwen2.5-1.5b: default undecided (4bit: not run; bf16: open (ok; no GPU" in md
+
+
+def test_runs_and_late_stages_that_do_not_fit_the_budget_are_skipped_in_plan_order(tmp_path):
+    rc = gpu_check.main(["--dry_run", "--budget_s", "8", "--min_run_s", "30", "--skip",
+                         "cuda_tests", "--out", str(tmp_path), "--work", str(tmp_path / "w")])
+    data = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert [r["name"] for r in data["runs"]] == [r[0] for r in gpu_check.plan()]
+    assert all(r["status"].startswith("skipped: ") for r in data["runs"])
+    for stage in ("logprob_memory", "bench_mpo"):        # after the runs: no time left either
+        assert data["stages"][stage]["rc"] == 0 and "skipped" in data["stages"][stage]
+    assert rc == 0                                      # skips are results, not failures

@@ -4,27 +4,39 @@
     python experiments/benchmarks/gpu_check.py --dry_run          # tiny shapes on CPU (CI)
 
 Stages, each printed as it starts and ends, each with its own time limit inside one budget
-(--budget_s: 540 s = 9 minutes; the dry run 300 s):
+(--budget_s: 470 s, what a 15-minute device lease leaves after the machine starts; the dry run
+300 s), in priority order; a stage or run that would not fit in the time left is skipped and
+says so:
   1. install: the carried wheels (bitsandbytes, bm25s; transformers, peft at our pins) into a
      folder on sys.path and every child's PYTHONPATH, offline:
      pip install --no-index --no-deps --target DIR WHEELS/*.whl
   2. cuda_tests: mpo.py's CUDA tests and a 4-bit forward / backward / generate through
      train_min's model path (tests/test_gpu_check.py), with pytest;
-  3. bench_mpo: experiments/benchmarks/bench_mpo.py (CPU and CUDA);
-  4. logprob_memory: peak memory of the log-prob computation, all rows at once (the old code)
-     versus train_min's chunks, forward and backward, side by side;
-  5. train: --steps (1) step of train_min.py's default configuration with --memory_cap_gb 24, for
-     the shape-true Qwen2.5-1.5B-Instruct and Qwen3-4B (--preset shape_qwen25_15b /
-     shape_qwen3_4b: the published architectures with random weights, a local ChatML tokenizer)
-     at settings A, B, C, each in its own process; per step and phase (rollout, scoring, update):
-     seconds and peak GPU memory (allocated and reserved). Order: A for both models first, then
-     B and C while the budget lasts; a run that would not fit in the time left is skipped and
-     says so.
+  3. train: --steps (1) step of train_min.py under --memory_cap_gb 24 per planned run (PLAN,
+     in this order; --runs NAME ... picks some), each in its own process, for the shape-true
+     Qwen2.5-1.5B-Instruct and Qwen3-4B (--preset shape_qwen25_15b / shape_qwen3_4b /
+     shape_qwen3_4b_thinking: the published architectures with random weights, a local ChatML
+     tokenizer):
+       qwen3-4b-A-4bit            Qwen3-4B setting A, 4-bit base: a full step with the update
+       qwen3-4b-thinking-A-4bit   the thinking preset (768 + 64 tokens a turn), 2 questions x 4,
+                                  2 turns (MODELS says why)
+       qwen2.5-1.5b-A-4bit, qwen2.5-1.5b-A-bf16, qwen3-4b-A-bf16
+                                  the bf16 base (--load_in_4bit false) against the 4-bit one
+       qwen2.5-1.5b-B-4bit, -C-4bit, then qwen3-4b-B-4bit, -C-4bit
+     per step and phase (rollout, scoring, update): seconds and peak GPU memory (allocated and
+     reserved); per run: the shapes it ran at (from its config.json), whether it fits a 24 GB
+     card with 2 GB to spare (peak reserved <= FIT_RESERVED_GB = 21.5 GB), and for each model
+     the default among {4-bit, bf16 base} (default_choice: the faster of those that fit);
+  4. logprob_memory: peak memory of the log-prob computation (frozen head, as in training), all
+     rows at once (the old code) versus train_min's chunks, forward and backward, on CUDA at
+     Qwen3-4B's shape (the CPU figure at that shape is in docs/reproduction.md);
+  5. bench_mpo: experiments/benchmarks/bench_mpo.py (CPU and CUDA).
 Writes gpu_check.json, gpu_check.md and gpu_check.log under --out (default $OUT, else
-runs/gpu-check). Random weights never write the stop tags, so every turn runs to
---max_new_tokens and every episode to --max_turns (presets.LongestEpisode): the memory and time
-measured are upper bounds for the real models at these settings. Validation and checkpoints are
-skipped inside the check (they are not part of a step).
+runs/gpu-check). Memory is in GB of 2**30 bytes, as torch counts it. Random weights never write
+the stop tags (nor </think>), so every turn runs to its token budget and every episode to
+--max_turns (presets.LongestEpisode): the memory and time measured are upper bounds for the real
+models at these settings. Validation and checkpoints are skipped inside the check (they are not
+part of a step).
 
 Before a GPU session, download the wheels here once (a git-ignored folder that `run` carries):
     echo /.whl/ >> .git/info/exclude
@@ -51,9 +63,43 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+# model label: (preset, shape file, extra train_min flags)
 MODELS = {"qwen2.5-1.5b": ("shape_qwen25_15b", "qwen2.5-1.5b-instruct.json", []),
-          # docs/reproduction.md runs Qwen3-4B with micro-batch 2
-          "qwen3-4b": ("shape_qwen3_4b", "qwen3-4b.json", ["--micro_batch_size", "2"])}
+          # No row cap any more (it passed --micro_batch_size 2 before token-budget micro-batches):
+          # the default budget of 6,144 tokens is 3 rows of its ~1,555-token episodes; with
+          # gradient checkpointing and bf16 activations that is a few GB in scoring and update,
+          # far below the rollout's peak (which rows_per_generate sizes to the memory left), and
+          # it is what a user's `--model Qwen/Qwen3-4B` run does. The update's peak is measured.
+          "qwen3-4b": ("shape_qwen3_4b", "qwen3-4b.json", []),
+          # The thinking preset as the paper's model runs it (a turn: up to 768 reasoning + 64
+          # action tokens; micro-batches of 4,096 tokens), at 2 questions x 4 rollouts and 2
+          # turns: random weights never close </think>, so every turn decodes its whole 768-token
+          # reasoning budget and is cut there; at ~0.1 s a decode step (the 3286c49-era H200
+          # check) the preset's 4-5 turns (~3,500 decode steps) would take ~6 of the check's ~8
+          # minutes. 2 turns keep the per-turn cost and the second prompt's earlier reasoning.
+          "qwen3-4b-thinking": ("shape_qwen3_4b_thinking", "qwen3-4b.json",
+                                ["--questions_per_step", "2", "--max_turns", "2"])}
+BASES = {"4bit": ["--load_in_4bit", "true"], "bf16": ["--load_in_4bit", "false"]}
+# The training runs in priority order: (model, setting, base, seconds a first run of its kind
+# is assumed to need on the H200: guesses from the 3286c49-era check, where Qwen2.5-1.5B A took
+# 184 s for 2 steps with loading and Qwen3-4B A's rollout + scoring 154 s; a run of the same
+# model and base measured in this check replaces the guess).
+PLAN = [("qwen3-4b", "A", "4bit", 240),                 # 1. Qwen3-4B's full step, update included
+        ("qwen3-4b-thinking", "A", "4bit", 200),        # 2. the thinking preset
+        ("qwen2.5-1.5b", "A", "4bit", 100),             # 3. bf16 base against 4-bit, both models
+        ("qwen2.5-1.5b", "A", "bf16", 80),
+        ("qwen3-4b", "A", "bf16", 160),
+        ("qwen2.5-1.5b", "B", "4bit", 100),             # 4. settings B and C
+        ("qwen2.5-1.5b", "C", "4bit", 100),
+        ("qwen3-4b", "B", "4bit", 240),
+        ("qwen3-4b", "C", "4bit", 240)]
+# A 24 GB card leaves ~23.5 GB to the allocator; the target (issue 38) is a peak reserved of at
+# most 21.5 GB under --memory_cap_gb 24: 2 GB to spare.
+FIT_RESERVED_GB = 21.5
+# The shapes a run ran at: these fields of its config.json go into its record.
+SHAPE_FIELDS = ("questions_per_step", "n_rollouts", "max_turns", "max_new_tokens",
+                "max_think_tokens", "max_total_tokens", "micro_batch_tokens", "micro_batch_size",
+                "rollout_batch_size", "minibatches", "load_in_4bit", "memory_cap_gb")
 SETTINGS = {"A": "mpo", "B": "mpo_token_is", "C": "mpo_beta0"}
 CUDA_TESTS = ["tests/test_mpo_equations.py::test_cuda_matches_cpu_float64",
               "tests/test_mpo_validation.py::test_cuda_cpu_mixture_raises_naming_the_argument",
@@ -65,9 +111,13 @@ DRY_RUN_FLAGS = ["--questions_per_step", "2", "--n_rollouts", "2", "--max_turns"
                  "--max_new_tokens", "8", "--minibatches", "2", "--micro_batch_size", "2",
                  "--n_train", "8", "--lora_r", "4", "--lora_alpha", "8", "--cpu_threads", "1",
                  "--device", "cpu"]
+DRY_RUN_THINKING_FLAGS = ["--max_think_tokens", "8"]
 PHASES = ("rollout", "score", "update")
-SUMMARY_KEYS = ("dry_run", "machine", "commit", "budget_s", "elapsed_s", "stages", "runs")
-RUN_KEYS = ("model", "setting", "variant", "status", "argv", "wall_s", "steps")
+SUMMARY_KEYS = ("dry_run", "machine", "commit", "budget_s", "elapsed_s", "stages", "runs",
+                "defaults")
+RUN_KEYS = ("model", "setting", "variant", "status", "argv", "wall_s", "steps", "name", "preset",
+            "base", "shape", "step_s", "peak_reserved_gb", "fits_24gb_with_2gb_spare",
+            "rollout_memory_bound")
 STEP_KEYS = ("step", "seconds", "peak_gb", "reserved_gb", "batch_shape", "generate_rows")
 
 
@@ -275,7 +325,19 @@ class Check:
                                                          res["tail"]))
         self.summary["stages"]["cuda_tests"] = {**res, **counts}
 
+    def short_of(self, stage: str, need: float) -> bool:
+        """True (and the stage recorded as skipped, not failed) when less than `need` seconds
+        are left: the stages after the training runs come last by priority."""
+        if self.left() >= need:
+            return False
+        self.summary["stages"][stage] = {"rc": 0, "skipped": f"{self.left():.0f} s left, "
+                                         f"the stage needs ~{need:.0f} s"}
+        self.say(f"{stage}: skipped, {self.summary['stages'][stage]['skipped']}")
+        return True
+
     def bench_mpo(self) -> None:
+        if self.short_of("bench_mpo", 10 if self.args.dry_run else 30):
+            return
         flags = ["--quick"] if self.args.dry_run else ["--repeats", "3"]
         res = self.run("bench_mpo", [sys.executable, "experiments/benchmarks/bench_mpo.py",
                                      *flags], 100)
@@ -283,9 +345,13 @@ class Check:
 
     def logprob_memory(self) -> None:
         cuda = self.summary["machine"].get("gpu") is not None and not self.args.dry_run
-        shapes = ([(1920, 2560, 151936, "cuda")] if cuda else [])      # 4 x 480 tokens, Qwen3-4B
-        shapes += ([(512, 64, 32000, "cpu")] if self.args.dry_run      # the code path, quickly
-                   else [(1920, 64, 151936, "cpu")])                   # any head width: same V
+        if self.short_of("logprob_memory", 10 if self.args.dry_run else 40):
+            return
+        # on a GPU only the CUDA row (4 x 480 tokens at Qwen3-4B's width): the CPU row at that
+        # shape (3.27 vs 0.70 GB) is measured on any CPU and took 32 s of the H200's budget
+        shapes = ([(1920, 2560, 151936, "cuda")] if cuda
+                  else [(512, 64, 32000, "cpu")] if self.args.dry_run     # the code path, quickly
+                  else [(1920, 64, 151936, "cpu")])                      # no GPU: any head width
         self.say("logprob_memory: " + ", ".join(f"{r} rows x {v} on {d}" for r, _, v, d in shapes))
         t0, results = time.monotonic(), []
         for rows, hidden, vocab, device in shapes:
@@ -312,41 +378,44 @@ class Check:
         return tiny
 
     def train_runs(self) -> None:
-        plan = [(m, s) for s in ("A",) for m in MODELS] + [(m, s) for m in MODELS
-                                                           for s in ("B", "C")]
-        took: dict[str, float] = {}
-        for model, setting in plan:
+        took: dict[tuple, float] = {}           # (model, base): seconds a run of that kind took
+        for name, model, setting, base, est_s in plan(self.args.runs):
             preset, shape, extra = MODELS[model]
-            work = Path(self.args.work) / "runs" / f"{model}-{setting}"
+            work = Path(self.args.work) / "runs" / name
             shutil.rmtree(work, ignore_errors=True)
             argv = ["--preset", preset, "--model", str(self.shape_file(shape)),
                     "--variant", SETTINGS[setting], "--steps", str(self.args.steps),
-                    "--memory_cap_gb", "24", "--out_dir", str(work), *extra]
+                    "--memory_cap_gb", "24", "--out_dir", str(work), *BASES[base], *extra]
             if self.args.dry_run:
-                argv += DRY_RUN_FLAGS
-            run = {"model": model, "setting": setting, "variant": SETTINGS[setting],
-                   "status": "", "argv": argv, "wall_s": None, "steps": []}
-            need = took.get(model, self.args.min_run_s)       # a run of this model took ...
+                argv += DRY_RUN_FLAGS + (DRY_RUN_THINKING_FLAGS if "thinking" in preset else [])
+            run = {"name": name, "model": model, "setting": setting, "variant": SETTINGS[setting],
+                   "preset": preset, "base": base, "status": "", "argv": argv, "wall_s": None,
+                   "shape": {}, "steps": []}
+            need = took.get((model, base), self.args.min_run_s or est_s)
             if self.left() < need + 10:
                 run["status"] = f"skipped: {self.left():.0f} s left, a run needs ~{need:.0f} s"
-                self.say(f"train {model} {setting}: {run['status']}")
-                self.summary["runs"].append(run)
+                self.say(f"train {name}: {run['status']}")
+                self.summary["runs"].append(finish_run(run))
                 continue
             record = work.parent / f"{work.name}.json"
             record.parent.mkdir(parents=True, exist_ok=True)
-            res = self.run(f"train {model} {setting}", [sys.executable, __file__, "--one_run",
-                                                        str(record), "--", *argv],
-                           self.left() - 10)
-            took[model] = res["seconds"]
+            res = self.run(f"train {name}", [sys.executable, __file__, "--one_run", str(record),
+                                             "--", *argv], self.left() - 10)
+            took[model, base] = res["seconds"]
             rec = json.loads(record.read_text()) if record.exists() else {}
             run.update(wall_s=res["seconds"], steps=rec.get("steps", []))
             run["status"] = (rec.get("status", "no record") if res["rc"] in (0, 3)
                              else f"failed (rc {res['rc']}): {res['tail'][-300:]}")
             if rec.get("max_rss_gb"):
                 run["max_rss_gb"] = rec["max_rss_gb"]
+            if (work / "config.json").exists():             # the shapes it really ran at
+                config = json.loads((work / "config.json").read_text())
+                run["shape"] = {k: config.get(k) for k in SHAPE_FIELDS}
             for s in run["steps"]:
                 self.say(f"  step {s['step']}: " + step_text(s))
-            self.summary["runs"].append(run)
+            self.summary["runs"].append(finish_run(run))
+            self.say(f"  fits 24 GB with 2 GB spare: {run['fits_24gb_with_2gb_spare']} "
+                     f"(peak reserved {run['peak_reserved_gb']} GB)")
 
     def finish(self) -> int:
         self.summary["elapsed_s"] = round(time.monotonic() - self.t0, 1)
@@ -370,6 +439,94 @@ def git_commit() -> str:
         return "unknown"
 
 
+def plan(names=None) -> list[tuple]:
+    """The training runs in priority order: (name, model, setting, base, est_s) for each entry
+    of PLAN, or only those named (in PLAN's order; an unknown name raises, listing the known)."""
+    runs = [(f"{m}-{s}-{b}", m, s, b, est) for m, s, b, est in PLAN]
+    if names:
+        unknown = set(names) - {r[0] for r in runs}
+        if unknown:
+            raise ValueError(f"--runs {' '.join(sorted(unknown))}: no such run; the plan: "
+                             + " ".join(r[0] for r in runs))
+        runs = [r for r in runs if r[0] in names]
+    return runs
+
+
+def reserved_peaks(run: dict) -> list[float]:
+    return [v for s in run["steps"] for v in s.get("reserved_gb", {}).values() if v is not None]
+
+
+def step_seconds(run: dict) -> float | None:
+    """The last step's seconds, rollout + scoring + update; None unless it finished all three."""
+    s = run["steps"][-1] if run["steps"] else None
+    if not s or set(s["seconds"]) != set(PHASES):
+        return None
+    return sum(s["seconds"].values())
+
+
+def fits_24gb(run: dict) -> bool | None:
+    """Peak reserved <= FIT_RESERVED_GB (21.5 GB: 2 GB to spare on a 24 GB card's ~23.5 GB)
+    over every phase of every step: True only for a run that finished its steps with GPU
+    figures; False for an out-of-memory or any phase above the line (even in a run cut short);
+    None when it cannot say (skipped, no GPU, cut short below the line)."""
+    peaks = reserved_peaks(run)
+    if run["status"].startswith("out of memory") or (peaks and max(peaks) > FIT_RESERVED_GB):
+        return False
+    if run["status"] != "ok" or step_seconds(run) is None or not peaks:
+        return None
+    return all(v is not None for s in run["steps"] for v in s["reserved_gb"].values())
+
+
+def finish_run(run: dict) -> dict:
+    """A run's record with its derived fields: the last step's seconds, the peak reserved, the
+    fit verdict, and whether the rollout's generate calls were cut by memory (fewer rows per
+    call than the batch: then its peak is what rows_per_generate allows, not the batch's)."""
+    peaks, shape = reserved_peaks(run), run.get("shape") or {}
+    calls = run["steps"][-1].get("generate_rows") if run["steps"] else None
+    sizes = [shape.get(k) for k in ("questions_per_step", "n_rollouts", "rollout_batch_size")]
+    bound = (min(calls) < min(sizes[0] * sizes[1], sizes[2])
+             if calls and None not in sizes and run["steps"][-1].get("peak_gb", {}).get("rollout")
+             is not None else None)             # on CPU every call takes all rows: no verdict
+    run.update(step_s=step_seconds(run), peak_reserved_gb=round(max(peaks), 2) if peaks else None,
+               fits_24gb_with_2gb_spare=fits_24gb(run), rollout_memory_bound=bound)
+    return run
+
+
+def default_choice(runs: list[dict]) -> dict[str, dict]:
+    """For each model with a setting-A run: the documented default among {4-bit, bf16 base},
+    the faster (seconds per episode of the last step) of those that fit a 24 GB card with 2 GB
+    to spare (fits_24gb). Decided only when each base either fits or certainly does not (a
+    skipped, cut-short or missing run leaves it open) and one fits.
+    {model: {"default": "4bit" | "bf16" | None, "why": text}}."""
+    out = {}                            # (the thinking preset has its own settings, no bf16 run)
+    for model in dict.fromkeys(r["model"] for r in runs if r["setting"] == "A"
+                               and "thinking" not in r.get("preset", "")):
+        notes, verdicts, per_episode = [], {}, {}
+        for base in BASES:
+            r = next((r for r in runs if r["model"] == model and r["setting"] == "A"
+                      and r.get("base", "4bit") == base), None)     # old records: 4-bit
+            if r is None:
+                verdicts[base] = None
+                notes.append(f"{base}: not run")
+                continue
+            verdicts[base] = fits_24gb(r)
+            peaks, sec, status = reserved_peaks(r), step_seconds(r), " ".join(r["status"].split())
+            peak = f"peak reserved {max(peaks):.1f} GB" if peaks else "no GPU memory figures"
+            if verdicts[base]:
+                shape = r.get("shape") or {}
+                per_episode[base] = sec / ((shape.get("questions_per_step") or 1)
+                                           * (shape.get("n_rollouts") or 1))
+                notes.append(f"{base}: {sec:.1f} s/step, {peak}, fits")
+            elif verdicts[base] is False:
+                notes.append(f"{base}: does not fit ({status[:60]}; {peak})")
+            else:
+                notes.append(f"{base}: open ({status[:60]}; {peak})")
+        decided = per_episode and all(v is not None for v in verdicts.values())
+        out[model] = {"default": min(per_episode, key=per_episode.get) if decided else None,
+                      "why": "; ".join(notes)}
+    return out
+
+
 def step_text(s: dict) -> str:
     sec = " ".join(f"{p} {s['seconds'].get(p, float('nan')):.1f}" for p in PHASES)
     peak = [s["peak_gb"].get(p) for p in PHASES]
@@ -387,9 +544,28 @@ def ok(summary: dict) -> bool:
     return stages and runs and bool(summary["runs"])
 
 
+def shape_text(shape: dict) -> str:
+    """A run's shapes in a few words: questions x rollouts, turns x tokens a turn (reasoning +
+    action), the micro-batch token budget and the base."""
+    if not shape:
+        return "-"
+    think = f"{shape.get('max_think_tokens')}+" if shape.get("max_think_tokens") else ""
+    return (f"{shape.get('questions_per_step')}x{shape.get('n_rollouts')}, "
+            f"{shape.get('max_turns')} turns x {think}{shape.get('max_new_tokens')} tok, "
+            f"mb {shape.get('micro_batch_tokens')} tok")
+
+
 def write_summary(summary: dict, out: Path) -> None:
     """gpu_check.json (everything) and gpu_check.md (one table row per training run: the last
-    step's seconds and peak memory per phase)."""
+    step's seconds and peak memory per phase, the shapes, the fit; then the default base for
+    each model, default_choice)."""
+    for r in summary["runs"]:               # records from before the bf16 base runs: 4-bit
+        r.setdefault("base", "4bit")
+        r.setdefault("name", f"{r['model']}-{r['setting']}-{r['base']}")
+        r.setdefault("preset", MODELS.get(r["model"], ("",))[0])
+        r.setdefault("shape", {})
+        finish_run(r)
+    summary["defaults"] = default_choice(summary["runs"])
     (out / "gpu_check.json").write_text(json.dumps(summary, indent=1))
     m = summary["machine"]
     lines = [f"# gpu_check {'(dry run, tiny shapes on CPU)' if summary['dry_run'] else ''}", "",
@@ -397,13 +573,16 @@ def write_summary(summary: dict, out: Path) -> None:
              f"transformers {m.get('transformers')}, bitsandbytes {m.get('bitsandbytes')}; "
              f"{summary['elapsed_s']} s of a {summary['budget_s']} s budget", "",
              "| stage | rc | seconds |", "|---|---|---|"]
-    lines += [f"| {name} | {st.get('rc')} | {st.get('seconds', '')} |"
+    lines += [f"| {name} | {st.get('rc')} | {st.get('seconds', st.get('skipped', ''))} |"
               for name, st in summary["stages"].items()]
     lines += ["", "Training runs (--memory_cap_gb 24; random weights: every turn to the token "
-              "limit, every episode to the turn limit, so upper bounds). Last step:", "",
-              "| model | setting | status | batch (B, T) | s rollout / score / update | "
-              "peak GB rollout / score / update | reserved GB (max) |",
-              "|---|---|---|---|---|---|---|"]
+              "limit, every episode to the turn limit, so upper bounds; GB = 2**30 bytes). "
+              f"Last step; fits: peak reserved <= {FIT_RESERVED_GB} GB (2 GB to spare on a "
+              "24 GB card):", "",
+              "| model | setting | base | status | shape | batch (B, T) | "
+              "s rollout / score / update | peak GB rollout / score / update | "
+              "reserved GB (max) | fits |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in summary["runs"]:
         s = r["steps"][-1] if r["steps"] else None
         if s:
@@ -412,11 +591,18 @@ def write_summary(summary: dict, out: Path) -> None:
                               for p in PHASES)
             res = [v for v in s["reserved_gb"].values() if v is not None]
             reserved = f"{max(res):.1f}" if res else "-"
-            shape = s["batch_shape"]
+            batch = s["batch_shape"]
         else:
-            sec = peak = reserved = shape = "-"
-        lines.append(f"| {r['model']} | {r['setting']} ({r['variant']}) | {' '.join(r['status'].split())[:80]} | "
-                     f"{shape} | {sec} | {peak} | {reserved} |")
+            sec = peak = reserved = batch = "-"
+        fits = {True: "yes", False: "no", None: "-"}[r["fits_24gb_with_2gb_spare"]]
+        lines.append(f"| {r['model']} | {r['setting']} ({r['variant']}) | {r['base']} | "
+                     f"{' '.join(r['status'].split())[:80]} | {shape_text(r.get('shape'))} | "
+                     f"{batch} | {sec} | {peak} | {reserved} | {fits} |")
+    if summary["defaults"]:
+        lines += ["", "Default base (setting A; the faster of {4-bit, bf16 base} that fits with "
+                  "2 GB to spare):", ""]
+        lines += [f"- {model}: default {d['default'] or 'undecided'} ({d['why']})"
+                  for model, d in summary["defaults"].items()]
     lp = summary["stages"].get("logprob_memory", {}).get("results", [])
     if lp:
         lines += ["", "Log-prob computation, forward + backward, peak memory above the set-up:",
@@ -441,23 +627,28 @@ def main(argv=None) -> int:
                     help="summary folder (default $OUT, else runs/gpu-check)")
     ap.add_argument("--work", default="", help="models, runs, installs (default: a temp folder)")
     ap.add_argument("--budget_s", type=float, default=None,
-                    help="seconds for the whole check (default 540; dry run 300)")
+                    help="seconds for the whole check (default 470; dry run 300)")
     ap.add_argument("--steps", type=int, default=1,
                     help="training steps per run (default 1: on the H200, steps 1 and 2 of "
                          "Qwen2.5-1.5B took 83 s and 79 s)")
     ap.add_argument("--min_run_s", type=float, default=None,
-                    help="time a first run of a model is assumed to need (default 150; dry 20)")
+                    help="time a first run of a model and base is assumed to need (default: "
+                         "PLAN's guess for each run; dry run 20)")
+    ap.add_argument("--runs", nargs="*", default=[], metavar="NAME",
+                    help="only these training runs, in the plan's order (default: the whole "
+                         "plan): " + " ".join(r[0] for r in plan()))
     ap.add_argument("--skip", nargs="*", default=[], choices=["cuda_tests", "bench_mpo",
                     "logprob_memory", "train"], help="stages to leave out")
     args = ap.parse_args(argv)
     if args.steps < 1:
         raise ValueError(f"--steps must be >= 1, got {args.steps}")
     if args.budget_s is None:
-        args.budget_s = 300.0 if args.dry_run else 540.0
+        args.budget_s = 300.0 if args.dry_run else 470.0
     if args.budget_s <= 0:
         raise ValueError(f"--budget_s must be > 0, got {args.budget_s}")
-    if args.min_run_s is None:
-        args.min_run_s = 20.0 if args.dry_run else 150.0
+    if args.min_run_s is None and args.dry_run:
+        args.min_run_s = 20.0
+    plan(args.runs)                     # an unknown --runs name: refused before anything runs
     if args.wheels and not Path(args.wheels).is_dir():
         raise ValueError(f"--wheels {args.wheels}: no such folder")
     args.work = args.work or tempfile.mkdtemp(prefix="mpo-gpu-check-")
@@ -468,7 +659,8 @@ def main(argv=None) -> int:
     check.machine()
     if not args.dry_run and check.summary["machine"].get("gpu") is None:
         check.say("no CUDA GPU: run with --dry_run for the CPU rehearsal")
-    for stage in ("cuda_tests", "bench_mpo", "logprob_memory", "train"):
+    # by priority: the training runs before the log-prob memory and bench_mpo (measured before)
+    for stage in ("cuda_tests", "train", "logprob_memory", "bench_mpo"):
         if stage not in args.skip:
             getattr(check, "train_runs" if stage == "train" else stage)()
     return check.finish()
