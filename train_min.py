@@ -474,8 +474,9 @@ def generation_config(tok, cfg: Config, greedy: bool, max_new_tokens: int, stop_
     π whose log-probs we train on (check_generation_config checks what `generate` resolves)."""
     from transformers import GenerationConfig
     return GenerationConfig(do_sample=not greedy, temperature=None if greedy else cfg.temperature,
-                            top_p=1.0, top_k=0, repetition_penalty=1.0, max_new_tokens=max_new_tokens,
-                            eos_token_id=stop_ids, pad_token_id=tok.pad_token_id)
+                            top_p=1.0, top_k=0, repetition_penalty=1.0,
+                            max_new_tokens=max_new_tokens, eos_token_id=stop_ids,
+                            pad_token_id=tok.pad_token_id)
 
 
 # What `generate` may apply besides the temperature, and the value that leaves π untouched.
@@ -616,7 +617,8 @@ def generate_turns(model, tok, prompts: list[list[int]], cfg: Config, greedy: bo
         ends = [TurnEnd(tok, stop_ids, stop_strings, thinking, cfg.max_new_tokens,
                         cfg.max_think_tokens if thinking else None) for _ in chunk]
         rec = TurnRecorder(ends, None if greedy else cfg.temperature)
-        processors = [SampledVocab(n_vocab)] if n_vocab < model.get_output_embeddings().out_features else []
+        full_vocab = model.get_output_embeddings().out_features
+        processors = [SampledVocab(n_vocab)] if n_vocab < full_vocab else []
         out = model.generate(input_ids=ids.to(model.device), attention_mask=attn.to(model.device),
                              generation_config=gen,
                              logits_processor=LogitsProcessorList(processors + [rec.processor]),
@@ -1064,7 +1066,7 @@ def train(argv: list[str]) -> dict:
         cfg, ckpt = eval_config(cfg, argv, Config)
     device = setup_device(cfg)          # exits 2 with a hint when the default run finds no GPU
     seed_everything(cfg.seed)
-    suite = make_suite(cfg)             # (a preset's task may set values: the testbed's turn budget)
+    suite = make_suite(cfg)             # (a preset's task may set values: the testbed's budget)
     if not cfg.eval_only:               # a used folder needs --overwrite; --resume, the same config
         intact = check_out_dir(cfg, Config)
     out = Path(cfg.out_dir)
