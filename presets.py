@@ -341,11 +341,16 @@ class TestbedOptions:
                                       "wherever it stands (default: the turn's first word)")
     testbed_full_turns: bool = flag(False, "testbed: every turn runs to L tokens (its end marker "
                                     "is no stop id; default: a sampled <|im_end|> ends it)")
+    testbed_verdict_delay: int = flag(0, "testbed, with --testbed_decisive first and no feedback: "
+                                      "the observation before turn d says ok / no for turn 0's "
+                                      "key (d = 1: the next boundary; 0: never)")
 
     def __post_init__(self):
         from experiments import testbed_env
         testbed_env.check_options(self.testbed_streaming, self.testbed_decisive,
-                                  self.testbed_key_anywhere, self.testbed_full_turns)
+                                  self.testbed_key_anywhere, self.testbed_full_turns,
+                                  self.testbed_verdict_delay, self.testbed_turns,
+                                  self.testbed_feedback)
 
 
 # temperature: the random base's logits span only about ±1.3 nats (init std 0.02, frozen final norm
@@ -379,7 +384,7 @@ def testbed_suite(cfg):
     def make_env(task):
         return testbed_env.KeyTurnEnv(task, o.testbed_turn_len, o.testbed_streaming,
                                       o.testbed_feedback, o.testbed_decisive,
-                                      o.testbed_key_anywhere)
+                                      o.testbed_key_anywhere, o.testbed_verdict_delay)
 
     return Suite(train, val, make_env, corpus=testbed_env.corpus(o.testbed_keys,
                                                                  o.testbed_full_turns),

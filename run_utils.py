@@ -17,6 +17,7 @@ import os
 import random
 import shutil
 import signal
+import socket
 import sys
 import time
 from dataclasses import asdict, fields
@@ -167,6 +168,56 @@ def check_config(cfg) -> None:
     if cfg.resume and cfg.overwrite:
         raise ConfigError("--resume continues the run in --out_dir, --overwrite replaces it: "
                           "choose one")
+
+
+class RunLock:
+    """One writer per run folder: `out_dir/.lock` holds the writer's pid and host, created
+    atomically (O_CREAT | O_EXCL). A second writer gets a ConfigError naming the folder and the
+    holder (two grid workers once wrote into one folder: duplicated, out-of-order curves). A lock
+    left by a process that is gone (same host, pid not running) or by this process is taken
+    over, with a message; the lock is removed when the run ends, normally or not."""
+
+    def __init__(self, out_dir):
+        self.path = Path(out_dir) / ".lock"
+        self.me = f"{os.getpid()} {socket.gethostname()}"
+
+    def __enter__(self):
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        for _ in range(3):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                holder = self.path.read_text().split() if self.path.exists() else []
+                pid, host = (int(holder[0]), holder[1]) if len(holder) == 2 else (None, None)
+                ours = host == socket.gethostname()
+                if pid is not None and ours and (pid == os.getpid() or not pid_alive(pid)):
+                    if pid != os.getpid():
+                        print(f"{self.path.parent}: taking over the lock of pid {pid} (no "
+                              "longer running)", file=sys.stderr)
+                    self.path.unlink(missing_ok=True)
+                    continue
+                raise ConfigError(f"--out_dir {self.path.parent} is being written by pid {pid} "
+                                  f"on {host} ({self.path}): wait for that run or use another "
+                                  "--out_dir (delete the lock only if that process is gone)")
+            os.write(fd, self.me.encode())
+            os.close(fd)
+            return self
+        raise ConfigError(f"--out_dir {self.path.parent}: could not take its lock {self.path}")
+
+    def __exit__(self, *exc):
+        if self.path.exists() and self.path.read_text() == self.me:
+            self.path.unlink()
+
+
+def pid_alive(pid: int) -> bool:
+    """Is process `pid` running on this host?"""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 GPU_PRESETS = ("default", "qwen3_thinking")     # the runs that need a 24 GB GPU

@@ -43,7 +43,7 @@ import mpo
 import presets
 import search_env
 from search_env import Suite, search_suite
-from run_utils import (LORA_TARGETS, ConfigError, MetricsLog, StopFlag, check_out_dir,
+from run_utils import (LORA_TARGETS, ConfigError, MetricsLog, RunLock, StopFlag, check_out_dir,
                        compute_dtype, cpu_4bit_workaround, critic_gates, episode_stats,
                        eval_config, eval_only, load_tokenizer, log_line, parse_with_presets,
                        questions_at, resume, save_checkpoint, seed_everything, setup_device,
@@ -875,6 +875,13 @@ def main(argv=None) -> dict:
 
 def train(argv: list[str]) -> dict:
     cfg = parse_config(argv)            # then, before any model is loaded or file written:
+    if cfg.eval_only:
+        return run(cfg, argv)
+    with RunLock(cfg.out_dir):          # one writer per run folder (a second one: one line)
+        return run(cfg, argv)
+
+
+def run(cfg: Config, argv: list[str]) -> dict:
     if cfg.eval_only:                   # the evaluated run's config, its checkpoint
         cfg, ckpt = eval_config(cfg, argv, Config)
     device = setup_device(cfg)          # exits 2 with a hint when the default run finds no GPU

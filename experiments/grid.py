@@ -81,7 +81,8 @@ GRIDS = {
     "beta": [{"beta": x} for x in (0.0, 0.5, 1.0, 1.5, 2.0)],
 }
 LABELS = {"mpo": "A: MPO", "mpo_token_is": "B: MPO w/ token IS", "mpo_beta0": "C: MPO β=0",
-          "ppo": "PPO", "grpo": "GRPO", "gspo": "GSPO", "vapo": "VAPO"}   # A, B, C: §10
+          "ppo": "PPO", "grpo": "GRPO", "gspo": "GSPO", "vapo": "VAPO",   # A, B, C: §10
+          "sao": "SAO (reconstr.)"}
 COLORS = {v: f"C{i}" for i, v in enumerate(LABELS)}           # one colour per variant everywhere
 TESTBED_VARIANTS = ("mpo", "mpo_token_is", "mpo_beta0", "ppo", "grpo")
 STREAM_VARIANTS = ("mpo", "ppo", "grpo")
@@ -676,6 +677,13 @@ STREAM_TURN_LEN = 4          # the §11 counter-regime: the streaming setting of
 # grid gives it 1/6 of the budget (10 of 60; a choice, not tuned), so it has 50 policy updates.
 VAPO_VALUE_SHARE = 6
 V2_RESULTS = ROOT / "docs" / "testbed" / "v2" / "results.json"
+# v3 (docs/testbed.md, "v3"): the v2 regime with a delayed verdict, the observation before turn d
+# says whether turn 0's key was right (d = 1: progress visible at the next boundary; d = 2: one
+# turn later), so a critic can read progress at a turn boundary, as the paper's agents do.
+V3_VARIANTS = ("mpo", "mpo_token_is", "mpo_beta0", "ppo", "grpo", "sao")
+V3_TURN_LENS = (16, 64)
+V3_DELAYS = (1, 2)
+V3_RESULTS = ROOT / "docs" / "testbed" / "v3" / "results.json"
 ALPHA = 0.05                 # the family-wise error rate of the Holm correction
 
 
@@ -685,6 +693,18 @@ def v2_jobs(args, extra: list[str]) -> list[dict]:
     grid stopped early, e.g. at the end of a session, holds complete seeds of every cell: its
     paired comparisons are usable), longest runs first within a seed."""
     jobs = []
+    if getattr(args, "v3", False):       # v3: the v2 regime at each verdict delay d, no streaming
+        for L in sorted(args.turn_lens, reverse=True):
+            for d in args.delays:
+                for variant in args.variants:
+                    for seed in args.seeds:
+                        jobs.append(testbed_job(
+                            args.out, f"v3-d{d}-L{L}", variant, seed, args.steps, L,
+                            [*V2_FLAGS, "--testbed_verdict_delay", str(d), *extra],
+                            {"regime": f"v3-d{d}", "streaming": False, "feedback": False,
+                             "verdict_delay": d}, args.cache))
+        seeds = {seed: i for i, seed in enumerate(args.seeds)}
+        return sorted(jobs, key=lambda j: (seeds[j["meta"]["seed"]], -j["meta"]["turn_len"]))
     for L in sorted(args.turn_lens, reverse=True):
         for variant in args.variants:
             vapo = (["--vapo_value_steps", str(args.steps // VAPO_VALUE_SHARE)]
@@ -746,6 +766,20 @@ def v2_record(marker: dict, rows: list[dict]) -> dict:
         "wall_s": rounded(marker.get("wall_s"), 1),
         "commits": marker.get("commits"),          # the commit(s) that trained it (None: older)
     }
+
+
+def check_record(r: dict, where) -> None:
+    """Refuse a record whose validation curve has duplicated or out-of-order steps, or more
+    critic-EV entries than updates: the marks of two writers in one run folder."""
+    steps = [s for s, _ in r["curve"]]
+    name = f"{r['setting']} {r['variant']} seed {r['seed']}"
+    if steps != sorted(set(steps)):
+        raise ValueError(f"{where}: the record {name} has duplicated or out-of-order evaluation "
+                         f"steps {steps}: two writers in one run folder? Re-run it")
+    if r.get("ev_curve") and len(r["ev_curve"]) > r["steps"]:
+        raise ValueError(f"{where}: the record {name} has {len(r['ev_curve'])} critic-EV "
+                         f"entries for {r['steps']} updates: two writers in one run folder? "
+                         "Re-run it")
 
 
 def collect_v2(out: Path) -> list[dict]:
@@ -828,7 +862,7 @@ def holm(pvalues: list[float]) -> list[float]:
 def order_key(r: dict) -> tuple:
     """Records in reading order: v2 before streaming, L ascending, variants as in LABELS."""
     variants = list(LABELS)
-    return (r["regime"] != "v2", r["turn_len"],
+    return (r["regime"] != "v2", r["regime"], r["turn_len"],
             variants.index(r["variant"]) if r["variant"] in variants else 99, r["seed"])
 
 
@@ -901,6 +935,7 @@ def v2_paired_table(comps: list[dict], ref: str = "mpo") -> str:
 
 def v2_gates_table(records: list[dict]) -> str:
     head = ["setting", "variant", "critic EV, last 10 updates", "critic EV vs R, later turns",
+            "between-turn share of V (paper 0.895)", "boundary share of ΔV² (paper 0.092)",
             "turn clip frac", "turn log-ratio std", "within-turn share of adv. variance",
             "tokens / turn"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -909,6 +944,8 @@ def v2_gates_table(records: list[dict]) -> str:
             setting, LABELS.get(variant, variant),
             mean_se([r["ev_last10"] for r in rs], 1.0, 2),
             mean_se([r["critic"].get("ev_R_later_turns") for r in rs], 1.0, 2),
+            mean_se([r["critic"].get("between_share_token_median") for r in rs], 1.0, 2),
+            mean_se([r["critic"].get("boundary_share_sq_changes") for r in rs], 1.0, 2),
             mean_se([r["turn_clip_frac"] for r in rs], 1.0, 3),
             mean_se([r["turn_log_ratio_std"] for r in rs], 1.0, 3),
             mean_se([r["within_turn_share"] for r in rs], 1.0, 3),
@@ -941,6 +978,8 @@ def v2_report(results: Path, out: Path | None = None) -> str:
     records, info = data["runs"], data.get("info", {})
     if not records:
         raise SystemExit(f"{results} holds no runs")
+    for r in records:
+        check_record(r, results)
     comps = comparisons(records)
     verdict = counter_verdict(comps)
     md = ""
@@ -1037,12 +1076,14 @@ def git_commit() -> str:
 def testbed_defaults(args) -> None:
     """Fill in the testbed flags left unset: the first study's defaults, or with --v2 the v2 grid's;
     --quick shrinks either."""
-    v2 = args.v2
-    defaults = {"variants": list(V2_VARIANTS if v2 else TESTBED_VARIANTS),
+    v3 = getattr(args, "v3", False)
+    v2 = args.v2 = args.v2 or v3        # v3 runs through v2's machinery
+    defaults = {"variants": list(V3_VARIANTS if v3 else V2_VARIANTS if v2 else TESTBED_VARIANTS),
                 "seeds": list(V2_SEEDS if v2 else range(5)),
-                "turn_lens": list(V2_TURN_LENS if v2 else (2, 4, 8)),
+                "turn_lens": list(V3_TURN_LENS if v3 else V2_TURN_LENS if v2 else (2, 4, 8)),
                 "steps": V2_STEPS if v2 else 60,
-                "out": Path("runs/testbed-v2" if v2 else "runs/testbed-study")}
+                "out": Path("runs/testbed-v3" if v3 else "runs/testbed-v2" if v2
+                            else "runs/testbed-study")}
     if args.quick:
         defaults.update(seeds=[0, 1], turn_lens=[8 if v2 else 4], steps=10 if v2 else 20,
                         out=Path(f"{defaults['out']}-quick"))
@@ -1051,7 +1092,8 @@ def testbed_defaults(args) -> None:
         if getattr(args, name) is None:
             setattr(args, name, value)
     if v2 and args.results is None:
-        args.results = args.out / "results.json" if args.quick else V2_RESULTS
+        args.results = (args.out / "results.json" if args.quick
+                        else V3_RESULTS if v3 else V2_RESULTS)
 
 
 def testbed(args, argv: list[str], extra: list[str]) -> str:
@@ -1096,7 +1138,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the v2 grid: the paper's regime (decisive first, key anywhere, full "
                         "turns, no feedback) at L = 8, 32, 64 and the streaming counter-regime, "
                         "10 seeds, raw results to --results")
-    t.add_argument("--variants", nargs="+", default=None, choices=V2_VARIANTS,
+    t.add_argument("--v3", action="store_true",
+                   help="the v3 grid: the v2 regime with a delayed verdict (--delays), L = 16 and "
+                        "64, variants A B C PPO GRPO SAO, 10 seeds, raw results to --results")
+    t.add_argument("--delays", type=int, nargs="+", default=list(V3_DELAYS),
+                   help="--v3: the verdict delays d (default 1 2)")
+    t.add_argument("--variants", nargs="+", default=None,
+                   choices=tuple(dict.fromkeys(V2_VARIANTS + V3_VARIANTS)),
                    help=f"default {' '.join(TESTBED_VARIANTS)}; --v2: {' '.join(V2_VARIANTS)}")
     t.add_argument("--seeds", type=int, nargs="+", default=None,
                    help="default 0-4; --v2: 0-9")

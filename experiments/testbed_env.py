@@ -33,6 +33,10 @@ The regime of the paper's argument (§2: credit crossing long turns; docs/testbe
   words change nothing, so R's credit must cross K − 1 turns to reach the decision.
 - `--testbed_key_anywhere`: a turn's answer is its first key word wherever it stands (words
   before it are fillers), so the decisive token has no fixed position in its turn.
+- `--testbed_verdict_delay d` (v3, with decisive first and no feedback): the observation before
+  turn d says "ok" or "no" for turn 0's key, the others "next": the outcome becomes visible at a
+  turn boundary (d = 1: the next one; d = 2: one turn later), as a search result shows whether a
+  query worked. The reward is unchanged.
 - `--testbed_full_turns`: every turn runs to its L tokens. train_min's `generate` stops a turn at
   the tokenizer's eos / pad / `<|im_end|>`; this tokenizer closes turns with `<|end|>` and pads with
   `<unk>`, so no sampleable id stops a turn (a sampled `<|end|>` is an ordinary word, decoded
@@ -98,8 +102,19 @@ def is_key(word: str) -> bool:
 
 
 def check_options(streaming: bool = False, decisive: str = "every", key_anywhere: bool = False,
-                  full_turns: bool = False) -> None:
+                  full_turns: bool = False, verdict_delay: int = 0, turns: int | None = None,
+                  feedback: bool = False) -> None:
     """Refuse the testbed flag combinations that mean nothing (a ValueError naming the flags)."""
+    if verdict_delay:
+        if verdict_delay < 0 or decisive != "first":
+            raise ValueError(f"--testbed_verdict_delay {verdict_delay}: a delayed verdict shows "
+                             "turn 0's decisive key; it needs --testbed_decisive first and d >= 0")
+        if turns is not None and verdict_delay >= turns:
+            raise ValueError(f"--testbed_verdict_delay {verdict_delay} must be below "
+                             f"--testbed_turns {turns}: the verdict is shown before turn d")
+        if streaming or feedback:
+            raise ValueError("--testbed_verdict_delay needs --testbed_feedback false and no "
+                             "--testbed_streaming: it replaces the immediate verdict")
     if decisive not in DECISIVE:
         raise ValueError(f"--testbed_decisive must be one of {', '.join(DECISIVE)}, got {decisive!r}")
     if streaming and key_anywhere:
@@ -171,17 +186,21 @@ class KeyTurnEnv:
     decodes with special tokens removed, so a sampled <|im_start|> or <unk> is invisible); a turn
     that ends early (the model sampled <|im_end|>) keeps whatever words it has; a turn without an
     answer misses its key. `decisive`: "every" (each turn's key counts, R = fraction right) or
-    "first" (only turn 0's, R = 0/1; later turns see "next" and are not scored). Terminal info:
+    "first" (only turn 0's, R = 0/1; later turns see "next" and are not scored). `verdict_delay`
+    d > 0 (with "first", no feedback): the observation before turn d says whether turn 0's key was
+    right (ok / no), the others "next": progress shows at a turn boundary, d − 1 turns late. Terminal info:
     correct (0/1 per scored key), all_correct, turns, malformed (False).
     """
 
     def __init__(self, task: Task, turn_len: int, streaming: bool = False, feedback: bool = True,
-                 decisive: str = "every", key_anywhere: bool = False):
+                 decisive: str = "every", key_anywhere: bool = False, verdict_delay: int = 0):
         if turn_len < 1:
             raise ValueError(f"turn_len must be >= 1, got {turn_len}")
-        check_options(streaming, decisive, key_anywhere)
+        check_options(streaming, decisive, key_anywhere, verdict_delay=verdict_delay,
+                      turns=len(task.clues), feedback=feedback)
         self.task, self.turn_len, self.streaming, self.feedback = task, turn_len, streaming, feedback
         self.decisive, self.key_anywhere = decisive, key_anywhere
+        self.verdict_delay = verdict_delay      # d > 0: turn 0's verdict shown before turn d
         self.correct: list[int] = []
         self.steps, self.done = 0, True
 
@@ -217,6 +236,8 @@ class KeyTurnEnv:
             return StepResult(None, True, reward, {"correct": list(self.correct), "turns": self.steps,
                                                    "all_correct": float(all(self.correct)), "malformed": False})
         reply = [VERDICT[self.correct[-1]]] if scored and self.feedback else []
+        if self.verdict_delay and self.steps == self.verdict_delay:   # before turn d: turn 0's
+            reply = [VERDICT[self.correct[0]]]
         group_ends = not self.streaming or self.steps % self.turn_len == 0
         if group_ends and self.decisive == "every":                       # the next key turn's clue
             reply.append(clue_word(self.task.clues[self.steps // self.turn_len if self.streaming

@@ -362,7 +362,7 @@ def test_v2_report_from_a_raw_results_file_recomputes_the_tables(tmp_path):
     assert "stream-L4: PPO − A = +20.0 ± 10.0 points" in md
     assert "is met on the mean, and the difference does not survive the correction" in md
     gates = [line for line in md.splitlines() if line.startswith("| v2-L8 | A: MPO |")][-1]
-    assert "| 0.20 ± 0.06 | 0.30 ± 0.00 | 0.200 ± 0.000 | 0.200 ± 0.058 |" in gates
+    assert "| 0.20 ± 0.06 | 0.30 ± 0.00 | – | – | 0.200 ± 0.000 | 0.200 ± 0.058 |" in gates
 
 
 def test_v2_record_reads_the_gates_from_metrics_rows():
@@ -429,3 +429,35 @@ def test_merge_records_keeps_committed_runs_the_new_runs_lack_and_lets_new_ones_
         ("v2-L8", "mpo", 0, 0.1), ("v2-L8", "mpo", 4, 0.9),       # the new seed-4 run wins
         ("v2-L32", "ppo", 5, 0.5), ("stream-L4", "ppo", 0, 0.3)]   # grid order: L, then stream
     assert grid.merge_records(tmp_path / "none.json", new) == (sorted(new, key=grid.order_key), 0)
+
+
+def test_the_report_refuses_a_record_written_by_two_writers(tmp_path):
+    records = hand_records()
+    bad = dict(records[0], curve=[[5, 0.1], [10, 0.2], [5, 0.1], [10, 0.3]])   # two writers
+    results = grid.write_results(tmp_path / "r.json", {"command": "x"}, [bad, *records[1:]])
+    with pytest.raises(ValueError, match=f"{bad['setting']} {bad['variant']} seed "
+                                         f"{bad['seed']} has duplicated or out-of-order"):
+        grid.v2_report(results, tmp_path)
+    long_ev = dict(records[0], ev_curve=[0.1] * (records[0]["steps"] + 5))
+    results = grid.write_results(tmp_path / "r.json", {"command": "x"}, [long_ev, *records[1:]])
+    with pytest.raises(ValueError, match="critic-EV entries for"):
+        grid.v2_report(results, tmp_path)
+
+
+def test_v3_grid_runs_the_v2_regime_at_each_verdict_delay(tmp_path):
+    args = grid.build_parser().parse_args(["testbed", "--v3", "--out", str(tmp_path)])
+    grid.testbed_defaults(args)
+    assert args.results == grid.V3_RESULTS and args.v2 and args.steps == 60
+    jobs = grid.v2_jobs(args, [])
+    assert len(jobs) == 6 * 10 * 2 * 2                       # variants x seeds x L x d
+    assert {j["meta"]["variant"] for j in jobs} == set(grid.V3_VARIANTS) >= {"sao", "grpo"}
+    assert {(j["meta"]["turn_len"], j["meta"]["verdict_delay"]) for j in jobs} == {
+        (16, 1), (16, 2), (64, 1), (64, 2)}
+    j = next(j for j in jobs if j["meta"]["setting"] == "v3-d2-L16" and j["meta"]["seed"] == 3)
+    argv = j["argv"]
+    assert argv[argv.index("--testbed_verdict_delay") + 1] == "2"
+    assert argv[argv.index("--testbed_decisive") + 1] == "first"
+    assert argv[argv.index("--testbed_feedback") + 1] == "false"
+    assert j["meta"]["regime"] == "v3-d2"
+    assert [j["meta"]["seed"] for j in jobs[:24]] == [0] * 24  # seed by seed, longest first
+    assert jobs[0]["meta"]["turn_len"] == 64

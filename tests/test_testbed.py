@@ -95,6 +95,37 @@ def test_decisive_first_scores_only_turn_0_and_later_turns_see_next():
     assert obs == ["c5", "c0", "c3"] and res.reward == pytest.approx(2 / 3)
 
 
+@pytest.mark.parametrize("delay", [1, 2])
+@pytest.mark.parametrize("first_turn, verdict, reward", [("f0 k2 f1", "ok", 1.0),
+                                                         ("k0 f0 f1", "no", 0.0)])
+def test_delayed_verdict_shows_turn_0s_outcome_before_turn_d(delay, first_turn, verdict, reward):
+    task = te.Task(clues=(5, 0, 3, 1), keys=(2, 7, 4, 0))
+    env = te.KeyTurnEnv(task, 3, feedback=False, decisive="first", key_anywhere=True,
+                        verdict_delay=delay)
+    obs, res = play(env, [first_turn, "k7 f0 f0", "f1 f1 f1", "k0"])
+    expected = ["c5", "next", "next", "next"]
+    expected[delay] = verdict                          # the observation before turn d
+    assert obs == expected
+    assert res.reward == reward and res.info["correct"] == [int(reward)]
+    undelayed = te.KeyTurnEnv(task, 3, feedback=False, decisive="first", key_anywhere=True)
+    obs0, res0 = play(undelayed, [first_turn, "k7 f0 f0", "f1 f1 f1", "k0"])
+    assert obs0 == ["c5", "next", "next", "next"] and res0.reward == reward   # d = 0: v2's
+
+
+def test_delayed_verdict_refuses_settings_where_it_means_nothing():
+    task = te.Task(clues=(5, 0, 3), keys=(2, 7, 4))
+    with pytest.raises(ValueError, match="needs --testbed_decisive first"):
+        te.KeyTurnEnv(task, 3, feedback=False, verdict_delay=1)
+    with pytest.raises(ValueError, match="must be below --testbed_turns 3"):
+        te.KeyTurnEnv(task, 3, feedback=False, decisive="first", verdict_delay=3)
+    with pytest.raises(ValueError, match="needs --testbed_feedback false"):
+        te.KeyTurnEnv(task, 3, feedback=True, decisive="first", verdict_delay=1)
+    with pytest.raises(ValueError, match="--testbed_verdict_delay 2 must be below"):
+        train_min.parse_config(["--preset", "testbed", "--testbed_decisive", "first",
+                                "--testbed_feedback", "false", "--testbed_turns", "2",
+                                "--testbed_verdict_delay", "2", "--out_dir", "/tmp/unused"])
+
+
 @pytest.mark.parametrize("text, right", [
     ("k2 f0 f1 f2", 1),        # key first
     ("f0 f1 c3 k2", 1),        # key last

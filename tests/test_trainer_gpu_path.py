@@ -562,3 +562,30 @@ def test_a_real_generate_on_the_thinking_template_ends_turns_as_turn_end_says(qw
     act = batch["turn_ids"] >= 0
     assert torch.allclose(batch["sampler_logp"][act], batch["old_logp"][act], atol=1e-4)
     assert any(t.info["turn_truncated"] for t in trajs)       # a random model rarely closes
+
+
+# --- issue 40, integrity: one writer per run folder ---------------------------------------------
+
+def test_a_second_writer_is_refused_naming_the_folder_and_the_holder(tmp_path, capsys):
+    import os
+    import socket
+    import subprocess
+    out = tmp_path / "run"
+    out.mkdir()
+    holder = os.getppid()                           # a live process that is not this one
+    (out / ".lock").write_text(f"{holder} {socket.gethostname()}")
+    with pytest.raises(SystemExit, match=f"--out_dir {out} is being written by pid {holder}"):
+        train_min.main(["--preset", "tiny", "--out_dir", str(out)])
+    assert sorted(p.name for p in out.iterdir()) == [".lock"]     # nothing written
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (out / ".lock").write_text(f"{dead.pid} {socket.gethostname()}")
+    with run_utils.RunLock(out) as lock:            # a lock whose process is gone: taken over
+        assert (out / ".lock").read_text() == lock.me == f"{os.getpid()} {socket.gethostname()}"
+        with run_utils.RunLock(out):                # this process again: its own lock
+            pass
+    assert not (out / ".lock").exists()
+    assert f"taking over the lock of pid {dead.pid}" in capsys.readouterr().err
+    (out / ".lock").write_text(f"{holder} another-host")    # another host: never taken over
+    with pytest.raises(run_utils.ConfigError, match="on another-host"):
+        run_utils.RunLock(out).__enter__()
