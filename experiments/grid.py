@@ -970,6 +970,68 @@ def counter_verdict(comps: list[dict], threshold: float = 3.0) -> str:
     return "\n".join(lines) + ("\n" if lines else "")
 
 
+SHORT = {"mpo": "A: MPO", "mpo_token_is": "B: token IS", "mpo_beta0": "C: β = 0", "ppo": "PPO",
+         "grpo": "GRPO", "vapo": "VAPO", "sao": "SAO"}
+
+
+def row_name(setting: str) -> str:
+    """A setting's row in the page's compact tables: "v2-L8" -> "L = 8", "stream-L4" ->
+    "streaming L = 4", "v3-d1-L16" -> "d = 1, L = 16"."""
+    parts = setting.split("-")
+    L = parts[-1][1:]
+    if parts[0] == "stream":
+        return f"streaming L = {L}"
+    return (f"d = {parts[1][1:]}, " if parts[0] == "v3" else "") + f"L = {L}"
+
+
+def page_tables(records: list[dict], ref: str = "mpo") -> str:
+    """The two compact tables docs/testbed.md quotes, generated from the raw records (a test
+    checks the page holds exactly this text, so its numbers cannot go stale): final success per
+    setting and variant (mean ± SE, %), and each variant minus A (points, mean ± SE; p → Holm p
+    over all the comparisons; bold: survives)."""
+    cells = cells_of(records)
+    settings = list(dict.fromkeys(s for s, _ in cells))
+    variants = [v for v in SHORT if any((st, v) in cells for st in settings)]
+    lines = ["| | " + " | ".join(SHORT[v] for v in variants) + " |",
+             "|---|" + "---|" * len(variants)]
+    for st in settings:
+        lines.append(f"| {row_name(st)} | " + " | ".join(
+            mean_se([r["final"] for r in cells[(st, v)]]) if (st, v) in cells else "–"
+            for v in variants) + " |")
+    comps = {(c["setting"], c["variant"]): c for c in comparisons(records, ref)}
+    others = [v for v in variants if v != ref]
+    lines += ["", "| | " + " | ".join(SHORT[v] for v in others) + " |",
+              "|---|" + "---|" * len(others)]
+    for st in settings:
+        row = []
+        for v in others:
+            c = comps.get((st, v))
+            if c is None:
+                row.append("–")
+                continue
+            mean = f"{100 * c['mean']:+.1f}".replace("-", "−")
+            text = f"{mean} ± {100 * c['se']:.1f} ({fmt_p(c['p'])} → {fmt_p(c['p_holm'])})"
+            row.append(f"**{text}**" if c["p_holm"] < ALPHA else text)
+        lines.append(f"| {row_name(st)} | " + " | ".join(row) + " |")
+    return "\n".join(lines).replace("+0.0 ±", "0.0 ±") + "\n"
+
+
+TESTBED_PAGE = ROOT / "docs" / "testbed.md"
+PAGE_SECTIONS = {V2_RESULTS: "v2-tables", V3_RESULTS: "v3-tables"}   # generated parts of the page
+
+
+def update_page(page: Path, name: str, text: str) -> bool:
+    """Replace the text between `<!-- name:start -->` and `<!-- name:end -->` in `page` with
+    `text`; False (page untouched) when the page has no such markers."""
+    start, end = f"<!-- {name}:start -->\n", f"<!-- {name}:end -->"
+    doc = page.read_text()
+    if start not in doc or end not in doc:
+        return False
+    head, rest = doc.split(start, 1)
+    page.write_text(head + start + text + end + rest.split(end, 1)[1])
+    return True
+
+
 def v2_report(results: Path, out: Path | None = None) -> str:
     """The v2 tables from a raw results file: mean ± SE per cell, paired differences from A with
     the paired t-test's p and the Holm-adjusted p, §11's criterion, and the gates; writes
@@ -1005,6 +1067,8 @@ def v2_report(results: Path, out: Path | None = None) -> str:
     out = Path(out) if out else Path(results).parent
     out.mkdir(parents=True, exist_ok=True)
     (out / "table.md").write_text(md)
+    if section := PAGE_SECTIONS.get(Path(results).resolve()):    # the page's numbers: from here
+        update_page(TESTBED_PAGE, section, page_tables(records))
     v2_curves(records, out / "curves.png")
     print(md)
     return md

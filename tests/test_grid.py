@@ -461,3 +461,32 @@ def test_v3_grid_runs_the_v2_regime_at_each_verdict_delay(tmp_path):
     assert j["meta"]["regime"] == "v3-d2"
     assert [j["meta"]["seed"] for j in jobs[:24]] == [0] * 24  # seed by seed, longest first
     assert jobs[0]["meta"]["turn_len"] == 64
+
+
+def test_the_testbed_page_quotes_exactly_the_tables_of_the_committed_raw_files():
+    """docs/testbed.md's compact result tables are generated from the committed raw files
+    (grid.page_tables, written by --report_only): a number in the page cannot go stale."""
+    page = (grid.ROOT / "docs" / "testbed.md").read_text()
+    for results, section in grid.PAGE_SECTIONS.items():
+        start, end = f"<!-- {section}:start -->\n", f"<!-- {section}:end -->"
+        if not results.exists():
+            assert start + end in page            # no raw file yet: an empty section
+            continue
+        records = json.loads(results.read_text())["runs"]
+        for r in records:
+            grid.check_record(r, results)
+        assert start + grid.page_tables(records) + end in page, section
+
+
+def test_page_tables_format_on_hand_records(tmp_path):
+    md = grid.page_tables(hand_records())
+    lines = md.splitlines()
+    assert lines[0].startswith("| | A: MPO |") and "| L = 8 |" in md and "streaming L = 4" in md
+    ppo = next(line for line in lines if line.startswith("| L = 8 |") and "(" in line)
+    p1 = t_p_df2(2 * 3 ** 0.5)
+    assert f"+20.0 ± 5.8 ({p1:.3f} → {3 * p1:.3f})" in ppo
+    page = tmp_path / "p.md"
+    page.write_text("a\n<!-- x:start -->\nold\n<!-- x:end -->\nb\n")
+    assert grid.update_page(page, "x", md)
+    assert page.read_text() == "a\n<!-- x:start -->\n" + md + "<!-- x:end -->\nb\n"
+    assert not grid.update_page(page, "y", md)
