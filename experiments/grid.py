@@ -50,7 +50,10 @@ Every run folder gets a marker, run.json: the full train_min argument list, the 
 step reached and `finished`, true only when train_min returned normally at its final step. A run
 is skipped when its marker is finished with the same argument list; an interrupted run with the
 same arguments resumes from its checkpoint; a run with other arguments starts again. So
-re-running the same command after a preemption continues where it stopped.
+re-running the same command after a preemption continues where it stopped. The marker also
+lists the commit(s) of the code that trained the run, one per sitting. A run folder has one
+writer: a second grid reaching a folder another process is writing stops with one line naming
+the folder and that process (the lock `<run>/.lock`, run_utils.RunLock).
 """
 from __future__ import annotations
 
@@ -153,8 +156,24 @@ def run_one(job: dict) -> dict:
 
     job: out (run folder), argv (train_min's arguments), meta (fields copied into the marker) and
     optionally env (environment variables to set), threads (torch threads), measure_critic.
+    The run folder has one writer: its lock (run_utils.RunLock, `out/.lock`) is taken before the
+    marker is touched, so a second grid on the same folders stops with one line naming the
+    folder and the holder (two writers in one folder once gave duplicated, out-of-order curves);
+    a run that another grid finished meanwhile is not trained again.
     """
+    import run_utils
     out = Path(job["out"])
+    try:
+        with run_utils.RunLock(out) as lock:
+            if is_finished(job):            # finished by another grid since this one listed it
+                return read_marker(out)
+            return train_locked(job, out, lock)
+    except run_utils.ConfigError as e:      # the folder's holder, or a bad flag: one line
+        raise SystemExit(f"[grid] {e}") from None
+
+
+def train_locked(job: dict, out: Path, lock) -> dict:
+    """run_one's work, with the run folder's lock held."""
     previous = read_marker(out)
     resume = bool(previous and previous["argv"] == job["argv"]
                   and (out / "checkpoints" / "latest").exists())
@@ -163,6 +182,7 @@ def run_one(job: dict) -> dict:
     if job.get("threads"):
         torch.set_num_threads(job["threads"])   # tiny matmuls: one thread per worker beats two
     import train_min
+    commit = code_commit()                      # the code this process has loaded and runs
     steps = train_min.parse_config(job["argv"]).steps
     out.mkdir(parents=True, exist_ok=True)
     marker = {"argv": job["argv"], "steps": steps, "finished": False, **job.get("meta", {})}
@@ -173,8 +193,9 @@ def run_one(job: dict) -> dict:
     with open(out / "log.txt", "a" if resume else "w") as log, \
             contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
         row = train(job["argv"] + (["--resume"] if resume else ["--overwrite"]))
+        lock.__enter__()    # train_min took the same lock (this pid) and removed it at its end
         reached = row.get("step", 0) if row else last_step(out)
-        commits = (previous.get("commits", []) if resume else []) + [git_commit()]
+        commits = (previous.get("commits", []) if resume else []) + [commit]
         marker.update(step=reached, finished=reached == steps,
                       wall_s=time.perf_counter() - t0 + (previous.get("wall_s", 0.0) if resume
                                                          else 0.0),
@@ -183,6 +204,19 @@ def run_one(job: dict) -> dict:
         marker["structure"] = critic_structure(out) if measure else {}
     (out / MARKER).write_text(json.dumps(marker, indent=1))
     return marker
+
+
+LOADED_COMMIT: list[str] = []       # this process's code_commit(), read at its first run
+
+
+def code_commit() -> str:
+    """The commit of the code this process runs: git_commit() read once, at the process's first
+    run, when train_min and the testbed are imported. A grid worker keeps them loaded for the
+    whole grid, so the checkout's commit at a later run (after a commit made meanwhile) is not
+    the code that ran."""
+    if not LOADED_COMMIT:
+        LOADED_COMMIT.append(git_commit())
+    return LOADED_COMMIT[0]
 
 
 def critic_structure(run_dir: Path, n: int = 4) -> dict:
@@ -934,7 +968,8 @@ def v2_paired_table(comps: list[dict], ref: str = "mpo") -> str:
 
 
 def v2_gates_table(records: list[dict]) -> str:
-    head = ["setting", "variant", "critic EV, last 10 updates", "critic EV vs R, later turns",
+    head = ["setting", "variant", "critic EV, last 10 updates", "critic EV vs R, all turns",
+            "critic EV vs R, later turns",
             "between-turn share of V (paper 0.895)", "boundary share of ΔV² (paper 0.092)",
             "turn clip frac", "turn log-ratio std", "within-turn share of adv. variance",
             "tokens / turn"]
@@ -943,6 +978,7 @@ def v2_gates_table(records: list[dict]) -> str:
         lines.append("| " + " | ".join([
             setting, LABELS.get(variant, variant),
             mean_se([r["ev_last10"] for r in rs], 1.0, 2),
+            mean_se([r["critic"].get("ev_R") for r in rs], 1.0, 2),
             mean_se([r["critic"].get("ev_R_later_turns") for r in rs], 1.0, 2),
             mean_se([r["critic"].get("between_share_token_median") for r in rs], 1.0, 2),
             mean_se([r["critic"].get("boundary_share_sq_changes") for r in rs], 1.0, 2),
@@ -1062,8 +1098,10 @@ def v2_report(results: Path, out: Path | None = None) -> str:
     md += ("\nMechanism gates, mean ± SE over seeds. From each run's metrics.jsonl: critic EV "
            "(against the variant's own critic target; the last 10 updates), turn clip fraction, "
            "turn log-ratio std, within-turn share of advantage variance, tokens per turn (means "
-           "over the run). Critic EV vs R: the trained critic on 128 fresh episodes, action "
-           "tokens after the first (logical) turn.\n\n" + v2_gates_table(records))
+           "over the run). Critic EV vs R: the trained critic on 128 fresh episodes, on all "
+           "action tokens and on those after the first (logical) turn; between-turn share "
+           "(median over episodes) and boundary share of squared value changes: "
+           "mpo.turn_value_structure of that critic (Appendix C).\n\n" + v2_gates_table(records))
     out = Path(out) if out else Path(results).parent
     out.mkdir(parents=True, exist_ok=True)
     (out / "table.md").write_text(md)

@@ -188,8 +188,11 @@ class KeyTurnEnv:
     answer misses its key. `decisive`: "every" (each turn's key counts, R = fraction right) or
     "first" (only turn 0's, R = 0/1; later turns see "next" and are not scored). `verdict_delay`
     d > 0 (with "first", no feedback): the observation before turn d says whether turn 0's key was
-    right (ok / no), the others "next": progress shows at a turn boundary, d − 1 turns late. Terminal info:
-    correct (0/1 per scored key), all_correct, turns, malformed (False).
+    right (ok / no), the others "next": progress shows at the d-th turn boundary; R is the same.
+    Terminal info: correct (0/1 per scored key), all_correct, turns, malformed (False).
+
+    Example (K = 3, L = 3, first, key anywhere, d = 2; turn 0 right):
+        observations c5 | next | ok, reward 1.0 (d = 1: c5 | ok | next; d = 0: c5 | next | next)
     """
 
     def __init__(self, task: Task, turn_len: int, streaming: bool = False, feedback: bool = True,

@@ -77,6 +77,7 @@ def test_a_run_stopped_before_its_last_step_is_not_finished_and_resumes(tiny_mod
         return real(*args, **kwargs)
     monkeypatch.setattr(mpo, "outcome_rewards", preempted)
     monkeypatch.setattr(grid, "git_commit", lambda: "aaa1111")    # the first sitting's code
+    monkeypatch.setattr(grid, "LOADED_COMMIT", [])                 # a fresh process
     job = tiny_job(tiny_model, tmp_path / "run")
     with pytest.raises(SystemExit, match="stopped at step 1 of 2"):
         grid.run_jobs([job])
@@ -86,7 +87,9 @@ def test_a_run_stopped_before_its_last_step_is_not_finished_and_resumes(tiny_mod
     assert not grid.is_finished(job)
     assert marker["commits"] == ["aaa1111"]
     monkeypatch.setattr(mpo, "outcome_rewards", real)
-    monkeypatch.setattr(grid, "git_commit", lambda: "bbb2222")    # resumed on newer code
+    assert not (tmp_path / "run" / ".lock").exists()              # released when it stopped
+    monkeypatch.setattr(grid, "git_commit", lambda: "bbb2222")    # resumed on newer code,
+    monkeypatch.setattr(grid, "LOADED_COMMIT", [])                 # in a new process
     [marker] = grid.run_jobs([job])
     assert (marker["finished"], marker["step"]) == (True, 2)
     assert marker["commits"] == ["aaa1111", "bbb2222"]           # both sittings, in order
@@ -102,6 +105,44 @@ def test_a_run_stopped_before_its_last_step_is_not_finished_and_resumes(tiny_mod
     assert marker["commits"] == ["bbb2222"]                       # a fresh run: its own code only
     assert "resumed from" not in (tmp_path / "run" / "log.txt").read_text()
     assert json.loads((tmp_path / "run" / "config.json").read_text())["lam"] == 0.6
+
+
+def test_a_second_writer_of_a_run_folder_is_refused_and_touches_nothing(tmp_path, monkeypatch):
+    """Another live process holds the folder's lock: run_one stops with one line naming the
+    folder and the holder, before the marker or the log is touched."""
+    import socket
+    out = tmp_path / "run"
+    out.mkdir()
+    holder = os.getppid()                                   # alive, and not this process
+    (out / ".lock").write_text(f"{holder} {socket.gethostname()}")
+    (out / grid.MARKER).write_text('{"the": "first writer\'s marker"}')
+    (out / "log.txt").write_text("the first writer's log\n")
+    monkeypatch.setattr(grid, "train", lambda argv: pytest.fail("a second writer trained"))
+    job = {"out": str(out), "argv": ["--preset", "tiny", "--out_dir", str(out)], "meta": {}}
+    with pytest.raises(SystemExit, match=f"--out_dir {out} is being written by pid {holder} "
+                                         f"on {socket.gethostname()}") as e:
+        grid.run_one(job)
+    assert "\n" not in str(e.value)                              # one line
+    assert (out / grid.MARKER).read_text() == '{"the": "first writer\'s marker"}'
+    assert (out / "log.txt").read_text() == "the first writer's log\n"
+    assert (out / ".lock").read_text() == f"{holder} {socket.gethostname()}"   # still theirs
+
+
+def test_a_run_another_grid_finished_meanwhile_is_not_trained_again(tmp_path, monkeypatch):
+    job = {"out": str(tmp_path), "argv": ["--steps", "2", "--out_dir", str(tmp_path)]}
+    marker = {"argv": job["argv"], "steps": 2, "step": 2, "finished": True, "commits": ["a"]}
+    (tmp_path / grid.MARKER).write_text(json.dumps(marker))
+    monkeypatch.setattr(grid, "train", lambda argv: pytest.fail("a finished run was re-run"))
+    assert grid.run_one(job) == marker
+    assert not (tmp_path / ".lock").exists()                     # the lock was released
+
+
+def test_code_commit_is_the_commit_a_process_loaded_not_a_later_checkout(monkeypatch):
+    monkeypatch.setattr(grid, "LOADED_COMMIT", [])
+    monkeypatch.setattr(grid, "git_commit", lambda: "aaa1111")
+    assert grid.code_commit() == "aaa1111"
+    monkeypatch.setattr(grid, "git_commit", lambda: "bbb2222")   # committed while it runs
+    assert grid.code_commit() == "aaa1111"                       # the worker still runs aaa1111
 
 
 def test_paper_grid_runs_each_point_and_seed_once_then_skips_finished_runs(tiny_model, tmp_path,
@@ -362,7 +403,8 @@ def test_v2_report_from_a_raw_results_file_recomputes_the_tables(tmp_path):
     assert "stream-L4: PPO − A = +20.0 ± 10.0 points" in md
     assert "is met on the mean, and the difference does not survive the correction" in md
     gates = [line for line in md.splitlines() if line.startswith("| v2-L8 | A: MPO |")][-1]
-    assert "| 0.20 ± 0.06 | 0.30 ± 0.00 | – | – | 0.200 ± 0.000 | 0.200 ± 0.058 |" in gates
+    assert ("| 0.20 ± 0.06 | 0.10 ± 0.00 | 0.30 ± 0.00 | – | – | 0.200 ± 0.000 | 0.200 ± 0.058 |"
+            in gates)                   # EV vs R on all turns, then on the later turns
 
 
 def test_v2_record_reads_the_gates_from_metrics_rows():

@@ -252,6 +252,26 @@ def test_full_turn_tokenizer_has_no_id_that_stops_generate_and_the_same_word_ids
     assert te.corpus(8) == [words] and te.corpus(8, full_turns=True) != te.corpus(8)
 
 
+@pytest.mark.parametrize("delay", [1, 2])
+def test_a_delayed_verdict_episode_renders_to_known_ids_with_the_v2_tokenizer(delay):
+    """The v3 observations (ok / no / next) are vocabulary words of the full-turn tokenizer the
+    v2 regime uses: each is one id, no <unk>, and the rendered episode decodes back to its words."""
+    tok = te.build_tokenizer(8, full_turns=True)
+    task = te.Task(clues=(5, 0, 3), keys=(2, 7, 4))
+    env = te.KeyTurnEnv(task, 3, feedback=False, decisive="first", key_anywhere=True,
+                        verdict_delay=delay)
+    turns = ["f0 k2 f1", "k7 f0 f0", "f1 f1 f1"]
+    obs, res = play(env, turns)
+    assert obs[delay] == "ok" and res.reward == 1.0
+    msgs = [m for o, t in zip(obs, turns) for m in ({"role": "user", "content": o},
+                                                     {"role": "assistant", "content": t})]
+    ids = tok.apply_chat_template(msgs, tokenize=True, return_dict=False)
+    assert tok.unk_token_id not in ids and tok.convert_tokens_to_ids("ok") in ids
+    assert tok.decode(ids, skip_special_tokens=True).split() == " ".join(
+        f"{o} {t}" for o, t in zip(obs, turns)).split()
+    assert len(ids) == 3 * (1 + 1 + 3 + 1)       # per turn: <|im_start|>, observation, L, <|end|>
+
+
 def test_chat_template_renders_only_vocabulary_and_the_key_follows_the_clue():
     tok = te.build_tokenizer(8)
     msgs = [{"role": "user", "content": "c3"}, {"role": "assistant", "content": "k1 f0"},
