@@ -182,7 +182,9 @@ class RunLock:
         self.me = f"{os.getpid()} {socket.gethostname()}"
 
     def __enter__(self):
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        folder = self.path.parent.absolute()
+        self.made = [d for d in (folder, *folder.parents) if not d.exists()]   # removed if empty
+        folder.mkdir(parents=True, exist_ok=True)
         for _ in range(3):
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
@@ -207,6 +209,9 @@ class RunLock:
     def __exit__(self, *exc):
         if self.path.exists() and self.path.read_text() == self.me:
             self.path.unlink()
+        for d in self.made:             # a run refused before writing leaves no folder behind
+            if d.exists() and not any(d.iterdir()):
+                d.rmdir()
 
 
 def pid_alive(pid: int) -> bool:
