@@ -174,8 +174,9 @@ class RunLock:
     """One writer per run folder: `out_dir/.lock` holds the writer's pid and host, created
     atomically (O_CREAT | O_EXCL). A second writer gets a ConfigError naming the folder and the
     holder (two grid workers once wrote into one folder: duplicated, out-of-order curves). A lock
-    left by a process that is gone (same host, pid not running) or by this process is taken
-    over, with a message; the lock is removed when the run ends, normally or not."""
+    left by a process that is gone (same host, pid not running) is taken over, with a message;
+    one this process holds is re-entered (released by the outer holder); the lock is removed
+    when the run ends, normally or not."""
 
     def __init__(self, out_dir):
         self.path = Path(out_dir) / ".lock"
@@ -192,10 +193,12 @@ class RunLock:
                 holder = self.path.read_text().split() if self.path.exists() else []
                 pid, host = (int(holder[0]), holder[1]) if len(holder) == 2 else (None, None)
                 ours = host == socket.gethostname()
-                if pid is not None and ours and (pid == os.getpid() or not pid_alive(pid)):
-                    if pid != os.getpid():
-                        print(f"{self.path.parent}: taking over the lock of pid {pid} (no "
-                              "longer running)", file=sys.stderr)
+                if ours and pid == os.getpid():     # this process holds it (grid.run_one)
+                    self.owned = False                # re-entered: the holder releases it
+                    return self
+                if pid is not None and ours and not pid_alive(pid):
+                    print(f"{self.path.parent}: taking over the lock of pid {pid} (no longer "
+                          "running)", file=sys.stderr)
                     self.path.unlink(missing_ok=True)
                     continue
                 raise ConfigError(f"--out_dir {self.path.parent} is being written by pid {pid} "
@@ -203,10 +206,13 @@ class RunLock:
                                   "--out_dir (delete the lock only if that process is gone)")
             os.write(fd, self.me.encode())
             os.close(fd)
+            self.owned = True
             return self
         raise ConfigError(f"--out_dir {self.path.parent}: could not take its lock {self.path}")
 
     def __exit__(self, *exc):
+        if not self.owned:
+            return
         if self.path.exists() and self.path.read_text() == self.me:
             self.path.unlink()
         for d in self.made:             # a run refused before writing leaves no folder behind
@@ -808,6 +814,13 @@ class TurnEnd:
         lo = max(self.armed_at or 0, len(self.text) - len(new) - len(s) + 1)
         at = self.text.find(s, lo)
         return at + len(s) if at >= 0 else -1
+
+    def feed(self, tokens) -> "TurnEnd":
+        """Push `tokens` until the turn ends (the rest, e.g. generate's padding, is ignored)."""
+        for token in tokens:
+            if self.done or self.push(token):
+                break
+        return self
 
     def push(self, token: int) -> bool:
         """Take the next sampled token; True when it ends the turn."""

@@ -439,9 +439,7 @@ def generate_turns(model, tok, prompts: list[list[int]], cfg: Config, greedy: bo
         for end, logp, row in zip(ends, rec.logp, out[:, width:].tolist()):
             if row[:len(end.ids)] != end.ids:
                 raise RuntimeError("generate returned other ids than its stopping criterion saw")
-            for token in row[len(end.ids):]:        # a generate that skipped the criterion
-                if end.done or end.push(token):
-                    break
+            end.feed(row[len(end.ids):])            # a generate that skipped the criterion
             turn = Turn(end.ids)
             turn.cut = end.cut or not end.done          # generate's own length limit: a cut too
             logp = logp + [float("nan")] * (len(end.ids) - len(logp))
@@ -457,11 +455,7 @@ def sampled_turn(row: list[int], stop_ids, tok, stop_strings: tuple[str, ...] = 
     (after </think> in thinking mode). `generate` pads a row whose turn ended with pad_token_id
     until the whole batch stops; the pad is a stop id but was never sampled, so it must not
     become an action token (nor, with Qwen's pad <|endoftext|> != <|im_end|>, context)."""
-    end = TurnEnd(tok, stop_ids, stop_strings, thinking)
-    for token in row:
-        if end.push(token):
-            break
-    return end.ids
+    return TurnEnd(tok, stop_ids, stop_strings, thinking).feed(row).ids
 
 
 def split_reasoning(text: str, thinking: bool) -> tuple[str, str]:

@@ -164,15 +164,15 @@ def run_one(job: dict) -> dict:
     import run_utils
     out = Path(job["out"])
     try:
-        with run_utils.RunLock(out) as lock:
+        with run_utils.RunLock(out):
             if is_finished(job):            # finished by another grid since this one listed it
                 return read_marker(out)
-            return train_locked(job, out, lock)
+            return train_locked(job, out)
     except run_utils.ConfigError as e:      # the folder's holder, or a bad flag: one line
         raise SystemExit(f"[grid] {e}") from None
 
 
-def train_locked(job: dict, out: Path, lock) -> dict:
+def train_locked(job: dict, out: Path) -> dict:
     """run_one's work, with the run folder's lock held."""
     previous = read_marker(out)
     resume = bool(previous and previous["argv"] == job["argv"]
@@ -193,7 +193,6 @@ def train_locked(job: dict, out: Path, lock) -> dict:
     with open(out / "log.txt", "a" if resume else "w") as log, \
             contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
         row = train(job["argv"] + (["--resume"] if resume else ["--overwrite"]))
-        lock.__enter__()    # train_min took the same lock (this pid) and removed it at its end
         reached = row.get("step", 0) if row else last_step(out)
         commits = (previous.get("commits", []) if resume else []) + [commit]
         marker.update(step=reached, finished=reached == steps,

@@ -116,3 +116,28 @@ def tiny_qwen3_model_dir(path, template: str = "thinking_2507", seed: int = 0) -
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path
+
+
+class ScriptedPolicy:
+    """Stands in for the model in `rollout`: every row's k-th generate call returns script[k],
+    without calling a stopping criterion (train_min.generate_turns then replays the row)."""
+    device = torch.device("cpu")
+
+    def __init__(self, script: list[list[int]], pad_id: int, vocab: int):
+        self.script, self.pad_id, self.calls = script, pad_id, 0
+        self.lm_head = torch.nn.Linear(1, vocab, bias=False, device="meta")  # rows = tokenizer's
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def eval(self):
+        return self
+
+    def set_adapter(self, name):
+        pass
+
+    def generate(self, input_ids, attention_mask, generation_config, **kwargs):
+        turn = self.script[self.calls]
+        self.calls += 1
+        new = torch.tensor([turn] * input_ids.shape[0])
+        return torch.cat([input_ids, new], dim=1)

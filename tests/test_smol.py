@@ -17,7 +17,7 @@ import mpo
 import presets
 import search_env
 import train_min
-from helpers import randomise_lora_b
+from helpers import ScriptedPolicy, randomise_lora_b
 
 IM_END = "<|im_end|>"
 
@@ -81,30 +81,6 @@ def test_observation_closes_a_turn_cut_by_a_stop_string_exactly_once(tok, suite)
                                "<|im_start|>assistant\n")
     closed = train_min.observation_ids(tok, msgs, obs_text, tok.eos_token_id)
     assert closed == cut[1:]
-
-
-class ScriptedPolicy:
-    """Stands in for the model in `rollout`: every row's k-th generate call returns script[k]."""
-    device = torch.device("cpu")
-
-    def __init__(self, script: list[list[int]], pad_id: int, vocab: int):
-        self.script, self.pad_id, self.calls = script, pad_id, 0
-        self.lm_head = torch.nn.Linear(1, vocab, bias=False, device="meta")  # rows = tokenizer's
-
-    def get_output_embeddings(self):
-        return self.lm_head
-
-    def eval(self):
-        return self
-
-    def set_adapter(self, name):
-        pass
-
-    def generate(self, input_ids, attention_mask, generation_config, **kwargs):
-        turn = self.script[self.calls]
-        self.calls += 1
-        new = torch.tensor([turn] * input_ids.shape[0])
-        return torch.cat([input_ids, new], dim=1)
 
 
 def char_ids(tok, text: str) -> list[int]:

@@ -15,7 +15,7 @@ import presets
 import run_utils
 import search_env
 import train_min
-from helpers import randomise_lora_b
+from helpers import ScriptedPolicy, randomise_lora_b
 
 CPU = torch.device("cpu")
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -452,32 +452,6 @@ def test_sao_update_uses_the_masked_loss_and_sao_advantages(loaded, tiny_path, b
 
 # --- 1. a thinking rollout: reasoning kept as sampled, the action read after </think> -----------
 
-class ScriptedRows:
-    """Stands in for the model in `rollout`: each generate call returns, for every row, the next
-    scripted turn followed by junk (as a batch's finished rows are padded, or a model that goes
-    on), without calling the stopping criterion: generate_turns replays the row through TurnEnd."""
-    device = torch.device("cpu")
-
-    def __init__(self, script, vocab):
-        self.script, self.calls = script, 0
-        self.lm_head = torch.nn.Linear(1, vocab, bias=False, device="meta")
-
-    def get_output_embeddings(self):
-        return self.lm_head
-
-    def eval(self):
-        return self
-
-    def set_adapter(self, name):
-        pass
-
-    def generate(self, input_ids, attention_mask, generation_config, **kwargs):
-        turn = self.script[self.calls]
-        self.calls += 1
-        new = torch.tensor([turn] * input_ids.shape[0])
-        return torch.cat([input_ids, new], dim=1)
-
-
 def test_thinking_rollout_reads_the_action_after_think_and_keeps_the_reasoning(loaded, tiny_path,
                                                                               base, char_tok):
     tok = train_min.load_tokenizer(tiny_path)
@@ -490,7 +464,7 @@ def test_thinking_rollout_reads_the_action_after_think_and_keeps_the_reasoning(l
     turn0 = ids_of(tok, f"Maybe <search>wrong</search> first? No.\n</think>\n\n<search>{query}</search>")
     junk = ids_of(tok, " and more")
     turn1 = ids_of(tok, "hmm " * 60)                          # reasoning past its budget: cut
-    model = ScriptedRows([turn0 + junk, turn1], len(tok))
+    model = ScriptedPolicy([turn0 + junk, turn1], tok.pad_token_id, len(tok))
     trajs = train_min.rollout(model, tok, suite, [q], cfg, 1)
     t = trajs[0]
     assert t.n_turns == 2 and t.done
