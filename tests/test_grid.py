@@ -532,3 +532,59 @@ def test_page_tables_format_on_hand_records(tmp_path):
     assert grid.update_page(page, "x", md)
     assert page.read_text() == "a\n<!-- x:start -->\n" + md + "<!-- x:end -->\nb\n"
     assert not grid.update_page(page, "y", md)
+
+
+def map_hand_records() -> list[dict]:
+    """v2-L8 with A and three baselines chosen to give one win, one loss and one tie, plus
+    records the map must leave out (a regime and a variant it does not show)."""
+    base = hand_records()
+    a = [r for r in base if r["setting"] == "v2-L8" and r["variant"] == "mpo"]
+    out = [r for r in base if r["setting"] == "v2-L8" and r["variant"] in ("mpo", "ppo")]
+    for variant, ds in (("grpo", [0.30, 0.31, 0.29]), ("vapo", [-0.30, -0.31, -0.29]),
+                        ("weird", [0.5, 0.5, 0.6])):
+        out += [{**r, "variant": variant, "final": r["final"] + d} for r, d in zip(a, ds)]
+    out += [{**r, "regime": "v1", "setting": "v1-L8"} for r in out[:6]]
+    return out
+
+
+def test_the_map_turns_the_sign_and_names_wins_losses_and_ties():
+    comps = {c["variant"]: c for c in grid.map_comparisons(map_hand_records())}
+    assert set(comps) == {"ppo", "grpo", "vapo"}          # not "weird", not the v1 regime
+    # A − X: ppo's X − A was +0.2 (tie: p 0.074 before Holm), grpo +0.3, vapo −0.3 (t = ±52)
+    assert comps["ppo"]["mean"] == pytest.approx(-0.2) and comps["ppo"]["verdict"] == "tie"
+    assert comps["grpo"]["mean"] == pytest.approx(-0.3) and comps["grpo"]["verdict"] == "loss"
+    assert comps["vapo"]["mean"] == pytest.approx(0.3) and comps["vapo"]["verdict"] == "win"
+    p = t_p_df2(0.3 / (0.01 / 3 ** 0.5))
+    assert comps["vapo"]["p_holm"] == pytest.approx(min(1, 3 * p))     # the smallest of 3
+    assert comps["ppo"]["p_holm"] == pytest.approx(t_p_df2(2 * 3 ** 0.5))   # the largest: × 1
+    md = grid.map_table(map_hand_records())
+    row = next(line for line in md.splitlines() if line.startswith("| no verdict (v2) | 8 |"))
+    cells = [c.strip() for c in row.split("|")[1:-1]]
+    assert cells[2:4] == ["0.30", "–"]                   # A's critic: EV vs R later, no share
+    assert cells[4] == f"−20.0 ± 5.8 tie ({t_p_df2(2 * 3 ** 0.5):.3g})"      # MPO − PPO
+    assert cells[5].startswith("**−30.0 ± 0.6 loss") and cells[6].startswith("**+30.0 ± 0.6 win")
+    assert "1 wins, 1 losses, 1 ties" in md
+
+
+def test_the_pages_hold_the_map_of_the_committed_raw_files(tmp_path):
+    """docs/testbed.md and README.md quote the map generated from the committed raw files
+    (grid.write_map, run by every --report_only): its numbers cannot go stale."""
+    records = grid.map_records()
+    for page, compact in grid.MAP_PAGES.items():
+        doc = page.read_text()
+        text = grid.map_table(records, compact=compact)
+        assert "<!-- map:start -->\n" + text + "<!-- map:end -->" in doc, page.name
+        if not compact:                                     # the README has no room for it
+            summary = grid.map_summary(records)
+            assert "<!-- map-summary:start -->\n" + summary + "<!-- map-summary:end -->" in doc
+    png = grid.map_figure(records, tmp_path / "map.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_map_refuses_a_corrupted_record(tmp_path):
+    bad = hand_records()
+    bad[0]["curve"] = [[60, 0.5], [30, 0.25]]                 # out of order
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps({"info": {}, "runs": bad}))
+    with pytest.raises((ValueError, SystemExit), match="order|duplicat"):
+        grid.map_records([path])
