@@ -35,6 +35,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -157,7 +158,8 @@ def reference(train: list[dict], held: list[dict], tok) -> dict:
 # --- fit --------------------------------------------------------------------------------------
 def as_batch(eps: list[dict], device, pad_id: int) -> dict:
     import train_min
-    trajs = [SimpleNamespace(ids=e["ids"], turn_ids=e["turn_ids"], reward=e["reward"], group=0)
+    trajs = [SimpleNamespace(ids=e["ids"], turn_ids=e["turn_ids"], reward=e["reward"], group=0,
+                             sampler_logp=None)
              for e in eps]
     return train_min.collate(trajs, pad_id, device)
 
@@ -178,9 +180,118 @@ def lower_states(model, eps, cfg, device, pad_id) -> list[torch.Tensor | None]:
     return states
 
 
-def values_of(model, value_head, eps, states, cfg, device, pad_id, grad: bool = False):
+# --- the critic designs (issue 41) ------------------------------------------------------------
+# (a) the trainer's critic: the critic LoRA adapter, a linear value head on the last hidden state,
+#     a target at every action token, value clipping 0.2 against the values before the
+#     minibatch's first pass, 2 passes (smol_hops: ppo_epochs 2): --value_clip 0.2 --passes 2;
+# (b) a turn-boundary critic, §12: the same network, its loss only at each turn's first token
+#     (K targets per episode, not ~120): --target turn; V of a token = V at its turn's start;
+# (c) no clipping, several epochs: --value_clip 0 --passes 1 --epochs 6;
+# (d) more capacity: trainer flags (-- --lora_layers 30, -- --lora_r 64 --lora_alpha 128), a small
+#     MLP head (--head mlp), the last 4 layers' outputs side by side (--features concat4);
+# (e) a separate critic: its own full copy of the pretrained top --lora_layers layers and final
+#     norm, every weight trained, no adapter (--separate).
+# A frozen-feature probe (the `probe` command) asks the cheapest question first: what a ridge
+# fit on one layer's frozen hidden state at turn starts can reach.
+
+class MLPHead(nn.Module):
+    """V(prefix) from a hidden state: Linear → GELU → Linear, the last layer zero-initialised
+    (V = 0 at the start, as the trainer's linear head)."""
+
+    def __init__(self, hidden: int, width: int = 256):
+        super().__init__()
+        self.inner, self.out = nn.Linear(hidden, width), nn.Linear(width, 1)
+        nn.init.zeros_(self.out.weight)
+        nn.init.zeros_(self.out.bias)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.out(nn.functional.gelu(self.inner(h.float()))).squeeze(-1)
+
+
+class Critic:
+    """One critic design over the shared frozen lower layers: .values(batch, frozen) gives V at
+    every position (the value of the prefix before token p, read at p − 1, as token_values)."""
+
+    def __init__(self, model, cfg, args, device):
+        import train_min
+        self.model, self.args = model, args
+        hidden = model.config.hidden_size
+        self.n_feat = 1 if args.features == "last" else int(args.features[len("concat"):])
+        n_layers = model.config.num_hidden_layers
+        stack = cfg.lora_layers or n_layers
+        if self.n_feat > stack + 1:
+            raise SystemExit(f"--features {args.features} needs {self.n_feat - 1} or more layers "
+                             f"in the critic's stack; it has {stack} (--lora_layers)")
+        head_in = hidden * self.n_feat
+        self.head = (MLPHead(head_in) if args.head == "mlp" else train_min.ValueHead(head_in))
+        self.head.to(device)
+        self.layers = self.norm = None
+        if args.separate:                      # (e): own copy of the pretrained top layers
+            from transformers import AutoModelForCausalLM
+            if not cfg.lora_layers:
+                raise SystemExit("--separate copies the top --lora_layers layers: pass "
+                                 "-- --lora_layers N (N > 0)")
+            plain = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32)
+            dec = plain.get_decoder()
+            k = cfg.lora_layers or len(dec.layers)
+            self.layers = nn.ModuleList(list(dec.layers)[-k:]).to(device)
+            self.norm = dec.norm.to(device)
+            self.layers.requires_grad_(True)
+            self.norm.requires_grad_(True)
+            body = list(self.layers.parameters()) + list(self.norm.parameters())
+            self.groups = [{"params": body, "lr": cfg.lr_critic}]
+        else:
+            train_min.use_adapter(model, "critic")
+            lora = [p for n, p in model.named_parameters() if ".critic." in n]
+            self.groups = [{"params": lora, "lr": cfg.lr_critic}]
+        self.groups.append({"params": list(self.head.parameters()), "lr": cfg.lr_value_head})
+        self.params = [p for g in self.groups for p in g["params"]]
+
+    def train(self, mode: bool = True) -> None:
+        for part in (self.model, self.head, self.layers, self.norm):
+            if part is not None:
+                part.train(mode)
+
+    def hidden(self, ids, attn, frozen) -> torch.Tensor:
+        """(B, T, n_feat·H): the critic stack's last hidden state, or its last n_feat layers'
+        outputs side by side (the decoder's hidden_states: the top one after the final norm)."""
+        import train_min
+        decoder = self.model.get_base_model().get_decoder()
+        lo = train_min.first_adapted_layer(self.model) if frozen is not None else 0
+        inputs = {"input_ids": ids} if frozen is None else {"inputs_embeds": frozen}
+        with train_min.decoder_layers(self.model, lo, len(decoder.layers)) as top:
+            if self.layers is not None:        # the separate critic's own layers and norm
+                top.layers, top.norm = self.layers, self.norm
+                inputs = {"inputs_embeds": frozen.float()}
+            out = top(**inputs, attention_mask=attn, use_cache=False,
+                      output_hidden_states=self.n_feat > 1)
+        if self.n_feat == 1:
+            return out.last_hidden_state
+        return torch.cat(out.hidden_states[-self.n_feat:], dim=-1)
+
+    def values(self, b: dict, frozen) -> torch.Tensor:
+        v = self.head(self.hidden(b["ids"], b["attn"], frozen))                 # (B, T)
+        return nn.functional.pad(v[:, :-1], (1, 0))                            # (B, T)
+
+
+def turn_starts_mask(turn_ids: torch.Tensor) -> torch.Tensor:
+    """(B, T) bool: each turn's first action token (where turn GAE needs V_{t,1})."""
+    before = nn.functional.pad(turn_ids[:, :-1], (1, 0), value=-1)
+    return (turn_ids >= 0) & (turn_ids != before)
+
+
+def at_turn_start(v: torch.Tensor, turn_ids: torch.Tensor) -> torch.Tensor:
+    """Each action token's value replaced by its turn's start value: what a turn-boundary critic
+    says about every token of a turn. (B, T) → (B, T); off-turn positions keep theirs."""
+    T = v.shape[1]
+    first = turn_starts_mask(turn_ids)
+    pos = torch.arange(T, device=v.device).expand_as(turn_ids)
+    src = torch.where(first, pos, torch.zeros_like(pos)).cummax(dim=1).values   # last start ≤ p
+    return torch.where(turn_ids >= 0, v.gather(1, src), v)
+
+
+def values_of(critic: Critic, eps, states, cfg, device, pad_id, grad: bool = False):
     """V at every position of each micro-batch of `eps` (a generator of (batch, V))."""
-    import train_min
     for s in range(0, len(eps), cfg.micro_batch_size):
         part = eps[s:s + cfg.micro_batch_size]
         b = as_batch(part, device, pad_id)
@@ -188,20 +299,22 @@ def values_of(model, value_head, eps, states, cfg, device, pad_id, grad: bool = 
         if states[s] is not None:
             h = torch.nn.utils.rnn.pad_sequence(states[s:s + len(part)], batch_first=True)
         with torch.set_grad_enabled(grad):
-            yield b, train_min.token_values(model, value_head, b["ids"], b["attn"], h)
+            yield b, critic.values(b, h)
 
 
-def evaluate(model, value_head, eps, states, cfg, device, pad_id) -> dict:
-    """EV against R(τ) over every action token and over each turn's first token."""
-    model.eval()
+def evaluate(critic: Critic, eps, states, cfg, device, pad_id) -> dict:
+    """EV against R(τ) over every action token and over each turn's first token (a turn-level
+    critic's token values: its turn-start value over the whole turn)."""
+    critic.train(False)
     v_all, r_all, v_first, r_first = [], [], [], []
-    for b, v in values_of(model, value_head, eps, states, cfg, device, pad_id):
+    for b, v in values_of(critic, eps, states, cfg, device, pad_id):
+        if critic.args.target == "turn":
+            v = at_turn_start(v, b["turn_ids"])
         act = b["turn_ids"] >= 0
         R = b["scores"][:, None].expand_as(v)
         v_all.append(v[act].double())
         r_all.append(R[act].double())
-        first = act & (b["turn_ids"] != torch.nn.functional.pad(b["turn_ids"][:, :-1], (1, 0),
-                                                                 value=-1))
+        first = turn_starts_mask(b["turn_ids"])
         v_first.append(v[first].double())
         r_first.append(R[first].double())
     v, r, vf, rf = map(torch.cat, (v_all, r_all, v_first, r_first))
@@ -209,76 +322,233 @@ def evaluate(model, value_head, eps, states, cfg, device, pad_id) -> dict:
             "mean_R": float(r.mean()), "sd_v_turn_start": float(vf.std())}
 
 
-def fit(args, extra: list[str]) -> None:
+def update(critic: Critic, opt, mb, mb_st, cfg, device, pad_id, args) -> float:
+    """One minibatch: its values before the first pass are the clip's V_old, then --passes
+    gradient steps on the Monte Carlo target R(τ), at every action token or (--target turn) at
+    each turn's first token only. Returns the last pass's loss."""
     import mpo
-    import train_min
+    critic.train(False)
+    old = [v.detach() for _, v in values_of(critic, mb, mb_st, cfg, device, pad_id)]
+    critic.train(True)
+    clip = args.value_clip or None
+    for _ in range(args.passes):
+        opt.zero_grad(set_to_none=True)
+        parts = list(values_of(critic, mb, mb_st, cfg, device, pad_id, grad=True))
+        where = [turn_starts_mask(b["turn_ids"]) if args.target == "turn" else b["turn_ids"] >= 0
+                 for b, _ in parts]
+        n, total = sum(int(w.sum()) for w in where), 0.0
+        for (b, v), v_old, w in zip(parts, old, where):
+            R = b["scores"][:, None].to(v.dtype).expand_as(v)                 # (B, T) R(τ)
+            tid = torch.where(w, b["turn_ids"], torch.full_like(b["turn_ids"], -1))
+            loss = mpo.value_loss(v, v_old, R, tid, clip=clip, num_tokens=n, validate=False)
+            loss.backward()
+            total += float(loss)
+        torch.nn.utils.clip_grad_norm_(critic.params, cfg.max_grad_norm)
+        opt.step()
+    return total
+
+
+def fit(args, extra: list[str]) -> None:
+    """One design's fit: --epochs passes over the training episodes in minibatches of
+    --minibatch; each minibatch's values before its first pass are the clip's V_old, then
+    --passes gradient steps on it (the trainer's epochs over one batch)."""
     out = Path(args.out)
     train, held = split(load_episodes(out))
-    cfg, device, suite, tok, model, value_head = setup(extra, args.seed, out)
+    cfg, device, suite, tok, model, _ = setup(extra, args.seed, out)
     pad = tok.pad_token_id
-    train_min.use_adapter(model, "critic")
-    lora = [p for n, p in model.named_parameters() if ".critic." in n]
-    params = lora + list(value_head.parameters())
-    opt = torch.optim.AdamW([{"params": lora, "lr": cfg.lr_critic},
-                             {"params": list(value_head.parameters()), "lr": cfg.lr_value_head}],
-                            weight_decay=0.0)
-    record = {"name": args.name, "commit": commit(), "flags": extra, "epochs": args.epochs,
-              "lora_layers":
-              cfg.lora_layers, "lr_critic": cfg.lr_critic, "lr_value_head": cfg.lr_value_head,
+    torch.manual_seed(args.seed)
+    critic = Critic(model, cfg, args, device)
+    opt = torch.optim.AdamW(critic.groups, weight_decay=0.0)
+    design = {k: getattr(args, k) for k in ("target", "value_clip", "passes", "head", "features",
+                                            "separate")}
+    record = {"name": args.name, "commit": commit(), "flags": extra, "design": design,
+              "epochs": args.epochs, "lora_layers": cfg.lora_layers, "lora_r": cfg.lora_r,
+              "lr_critic": cfg.lr_critic, "lr_value_head": cfg.lr_value_head,
+              "trained_params": sum(p.numel() for p in critic.params),
               "n_train": len(train), "n_held": len(held),
               "success_train": sum(e["reward"] for e in train) / len(train),
               "success_held": sum(e["reward"] for e in held) / len(held),
-              "reference": reference(train, held, tok), "per_epoch": []}
-    print(f"[fit] {args.name}: {len(train)} training / {len(held)} held-out episodes; "
-          f"reference (linear, 3 features) held-out EV at turn starts "
-          f"{record['reference']['ev_turn_start_held']:.3f}")
+              "reference": reference(train, held, tok), "cpu": cpu_name(), "per_epoch": []}
+    print(f"[fit] {args.name}: {len(train)} training / {len(held)} held-out episodes; {design}; "
+          f"{record['trained_params']:,} trained parameters; reference (linear, 3 features) "
+          f"held-out EV at turn starts {record['reference']['ev_turn_start_held']:.3f}")
     st_train = lower_states(model, train, cfg, device, pad)
     st_held = lower_states(model, held, cfg, device, pad)
     t0 = time.time()
     for epoch in range(args.epochs + 1):
         if epoch:                                               # epoch 0: before any update
-            model.train()
             g = torch.Generator().manual_seed(args.seed * 1000 + epoch)
             perm = torch.randperm(len(train), generator=g).tolist()
             for m in range(0, len(perm), args.minibatch):
                 ids = perm[m:m + args.minibatch]
                 mb, mb_st = [train[i] for i in ids], [st_train[i] for i in ids]
-                n_tok = sum(sum(t >= 0 for t in e["turn_ids"]) for e in mb)
-                opt.zero_grad(set_to_none=True)
-                for b, v in values_of(model, value_head, mb, mb_st, cfg, device, pad, grad=True):
-                    R = b["scores"][:, None].to(v.dtype).expand_as(v)    # (B, T) R(τ)
-                    loss = mpo.value_loss(v, v.detach(), R, b["turn_ids"], clip=None,
-                                          num_tokens=n_tok, validate=False)
-                    loss.backward()
-                torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
-                opt.step()
+                update(critic, opt, mb, mb_st, cfg, device, pad, args)
         row = {"epoch": epoch, "seconds": round(time.time() - t0, 1),
-               "held": evaluate(model, value_head, held, st_held, cfg, device, pad),
+               "held": evaluate(critic, held, st_held, cfg, device, pad),
                # fitting, on as many training episodes as are held out (the first ones)
-               "train": evaluate(model, value_head, train[:len(held)], st_train[:len(held)],
+               "train": evaluate(critic, train[:len(held)], st_train[:len(held)],
                                  cfg, device, pad)}
         record["per_epoch"].append(row)
         print(f"[fit] epoch {epoch}: held-out EV tokens {row['held']['ev_tokens']:+.3f} "
               f"turn starts {row['held']['ev_turn_start']:+.3f} | train EV tokens "
-              f"{row['train']['ev_tokens']:+.3f} | {row['seconds']:.0f} s", flush=True)
+              f"{row['train']['ev_tokens']:+.3f} turn starts {row['train']['ev_turn_start']:+.3f}"
+              f" | {row['seconds']:.0f} s", flush=True)
         RESULTS.mkdir(parents=True, exist_ok=True)
         (RESULTS / f"fit_{args.name}.json").write_text(json.dumps(record, indent=1))
 
 
+# --- the frozen-feature probe -------------------------------------------------------------------
+@torch.no_grad()
+def turn_start_features(model, eps, cfg, device, pad_id, layers: list[int]) -> list[dict]:
+    """Per episode: the frozen model's hidden state after each of `layers` (0: the embeddings)
+    at the position each turn's start value reads (the token before the turn), and each turn's
+    number of action tokens."""
+    from tqdm import tqdm
+    decoder = model.get_base_model().get_decoder()
+    out = []
+    with model.disable_adapter():
+        for s in tqdm(range(0, len(eps), cfg.micro_batch_size), desc="frozen features",
+                      unit="micro"):
+            part = eps[s:s + cfg.micro_batch_size]
+            b = as_batch(part, device, pad_id)
+            hs = decoder(input_ids=b["ids"], attention_mask=b["attn"], use_cache=False,
+                         output_hidden_states=True).hidden_states
+            first = turn_starts_mask(b["turn_ids"])
+            for i, e in enumerate(part):
+                pos = first[i].nonzero()[:, 0]
+                tid = b["turn_ids"][i]
+                out.append({"x": torch.stack([hs[layer][i, pos - 1].float() for layer in layers]),
+                            "tokens": torch.stack([(tid == tid[p]).sum() for p in pos]).float(),
+                            "R": e["reward"], "position": e["position"]})
+    return out
+
+
+def ridge_fit(x: torch.Tensor, y: torch.Tensor, lam: float):
+    """w, b of min ‖x w + b − y‖² + lam ‖w‖² on standardised x (float64); returns a predictor."""
+    mu, sd = x.mean(0), x.std(0).clamp(min=1e-6)
+    z = (x - mu) / sd
+    w = torch.linalg.solve(z.T @ z + lam * torch.eye(z.shape[1], dtype=z.dtype),
+                           z.T @ (y - y.mean()))
+    b = y.mean()
+    return lambda xs: ((xs - mu) / sd) @ w + b
+
+
+def probe(args, extra: list[str]) -> dict:
+    """Ridge fits of R(τ) on one frozen layer's hidden state at turn starts (a turn-boundary
+    critic with a frozen body and a linear head), the ridge strength chosen by 5-fold
+    cross-validation over training questions; held-out EV at turn starts, and over action tokens
+    (each turn's value on its every token: EV weighted by the turns' token counts)."""
+    out = Path(args.out)
+    train, held = split(load_episodes(out))
+    cfg, device, suite, tok, model, _ = setup(extra, args.seed, out)
+    n_layers = model.config.num_hidden_layers
+    layers = args.layers if args.layers else list(range(0, n_layers + 1, 2))
+    if any(not 0 <= k <= n_layers for k in layers):
+        raise SystemExit(f"--layers must lie in 0..{n_layers}, got {layers}")
+    t0 = time.time()
+    feats = {"train": turn_start_features(model, train, cfg, device, tok.pad_token_id, layers),
+             "held": turn_start_features(model, held, cfg, device, tok.pad_token_id, layers)}
+
+    def table(rows, j):
+        x = torch.cat([r["x"][j] for r in rows]).double()
+        y = torch.cat([torch.full((r["x"].shape[1],), float(r["R"])) for r in rows]).double()
+        n = torch.cat([r["tokens"] for r in rows]).double()
+        q = torch.cat([torch.full((r["x"].shape[1],), r["position"]) for r in rows])
+        return x, y, n, q
+
+    def weighted_ev(pred, y, w):
+        m = (w * y).sum() / w.sum()
+        var = (w * (y - m) ** 2).sum()
+        return float(1 - (w * (y - pred) ** 2).sum() / var)
+
+    lams = [10.0 ** k for k in range(-1, 6)]
+    rows = []
+    for j, layer in enumerate(layers):
+        xt, yt, nt, qt = table(feats["train"], j)
+        xh, yh, nh, _ = table(feats["held"], j)
+        folds = qt % 5
+        cv = {lam: 0.0 for lam in lams}
+        for lam in lams:
+            err = 0.0
+            for f in range(5):
+                fit_ = ridge_fit(xt[folds != f], yt[folds != f], lam)
+                err += float(((fit_(xt[folds == f]) - yt[folds == f]) ** 2).sum())
+            cv[lam] = err
+        lam = min(cv, key=cv.get)
+        pred = ridge_fit(xt, yt, lam)
+        rows.append({"layer": layer, "lambda": lam, "cv_mse": cv[lam] / len(yt),
+                     "ev_turn_start_train": ev(pred(xt), yt), "ev_turn_start_held": ev(pred(xh), yh),
+                     "ev_tokens_held": weighted_ev(pred(xh), yh, nh)})
+        print(f"[probe] layer {layer:2d}: ridge λ {lam:g}: held-out EV turn starts "
+              f"{rows[-1]['ev_turn_start_held']:+.3f}, tokens {rows[-1]['ev_tokens_held']:+.3f} "
+              f"(train {rows[-1]['ev_turn_start_train']:+.3f})", flush=True)
+    record = {"name": args.name, "commit": commit(), "flags": extra, "design": "probe",
+              "n_train": len(train), "n_held": len(held), "cpu": cpu_name(),
+              "seconds": round(time.time() - t0, 1),
+              "reference": reference(train, held, tok), "layers": rows}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"probe_{args.name}.json").write_text(json.dumps(record, indent=1))
+    return record
+
+
+def cpu_name() -> str:
+    import platform
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 # --- report -----------------------------------------------------------------------------------
+PASS_MARK = 0.10      # held-out EV against R(τ) at turn starts, fixed before the fits (issue 41)
+
+
+def design_of(r: dict) -> str:
+    """A fit's design in words (records from before issue 41 carry no "design": the defaults)."""
+    d = r.get("design") or {"target": "token", "value_clip": 0.0, "passes": 1, "head": "linear",
+                            "features": "last", "separate": False}
+    body = (f"separate top {r['lora_layers']}" if d["separate"]
+            else f"LoRA r{r.get('lora_r', 8)} top {r['lora_layers']}")
+    return (f"{body}, {d['head']} head on {d['features']}, target {d['target']}, clip "
+            f"{d['value_clip'] or 'none'}, {d['passes']} pass{'es' if d['passes'] > 1 else ''}")
+
+
 def report(args, extra: list[str]) -> str:
-    lines = ["| critic | LoRA layers | epochs | held-out EV, tokens (best epoch) | held-out EV, "
-             "turn starts (best) | train EV, tokens (last) | reference, turn starts |",
-             "|---|---|---|---|---|---|---|"]
+    """table.md from every fit_*.json and probe_*.json: the pass mark is read on the last epoch
+    (fits) or on the layer the training folds chose (probes), never selected on held-out data;
+    the best held-out epoch / layer is shown beside it, for information."""
+    lines = ["| critic | design | trained params | epochs | held-out EV, turn starts: last "
+             f"(pass ≥ {PASS_MARK:g}) | best (epoch) | held-out EV, tokens: last | train EV, turn "
+             "starts: last | reference (linear, 3 features), turn starts |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for path in sorted(RESULTS.glob("fit_*.json")):
         r = json.loads(path.read_text())
         ep = r["per_epoch"]
-        best = max(ep, key=lambda row: row["held"]["ev_tokens"])
-        lines.append(f"| {r['name']} | {r['lora_layers']} | {len(ep) - 1} | "
-                     f"{best['held']['ev_tokens']:+.3f} (epoch {best['epoch']}) | "
-                     f"{max(row['held']['ev_turn_start'] for row in ep):+.3f} | "
-                     f"{ep[-1]['train']['ev_tokens']:+.3f} | "
-                     f"{r['reference']['ev_turn_start_held']:+.3f} |")
+        last = ep[-1]
+        best = max(ep, key=lambda row: row["held"]["ev_turn_start"])
+        ok = last["held"]["ev_turn_start"] >= PASS_MARK
+        train_first = last["train"].get("ev_turn_start")
+        lines.append(
+            f"| {r['name']} | {design_of(r)} | {r.get('trained_params', '–')} | {len(ep) - 1} | "
+            f"{last['held']['ev_turn_start']:+.3f} {'**pass**' if ok else 'fail'} | "
+            f"{best['held']['ev_turn_start']:+.3f} ({best['epoch']}) | "
+            f"{last['held']['ev_tokens']:+.3f} | "
+            f"{'–' if train_first is None else f'{train_first:+.3f}'} | "
+            f"{r['reference']['ev_turn_start_held']:+.3f} |")
+    for path in sorted(RESULTS.glob("probe_*.json")):
+        r = json.loads(path.read_text())
+        chosen = min(r["layers"], key=lambda row: row["cv_mse"])
+        best = max(r["layers"], key=lambda row: row["ev_turn_start_held"])
+        ok = chosen["ev_turn_start_held"] >= PASS_MARK
+        lines.append(
+            f"| {r['name']} | frozen model, ridge on layer {chosen['layer']} (chosen by 5-fold CV on "
+            f"training questions), target turn | – | – | {chosen['ev_turn_start_held']:+.3f} "
+            f"{'**pass**' if ok else 'fail'} | {best['ev_turn_start_held']:+.3f} (layer "
+            f"{best['layer']}) | {chosen['ev_tokens_held']:+.3f} | "
+            f"{chosen['ev_turn_start_train']:+.3f} | {r['reference']['ev_turn_start_held']:+.3f} |")
     text = "\n".join(lines) + "\n"
     (RESULTS / "table.md").write_text(text)
     print(text)
@@ -290,7 +560,7 @@ def main(argv=None):
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     ours = argv[:argv.index("--")] if "--" in argv else argv
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("what", choices=["collect", "fit", "report"])
+    p.add_argument("what", choices=["collect", "fit", "probe", "report"])
     p.add_argument("--out", default=str(OUT), help="episodes folder (default runs/critic-offline)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--questions", type=int, default=160, help="collect: questions (x16)")
@@ -298,13 +568,32 @@ def main(argv=None):
     p.add_argument("--name", default="top8", help="fit: the record's name")
     p.add_argument("--epochs", type=int, default=6, help="fit: passes over the training episodes")
     p.add_argument("--minibatch", type=int, default=16, help="fit: episodes per optimiser step")
+    p.add_argument("--target", choices=["token", "turn"], default="token",
+                   help="fit: the loss at every action token, or at each turn's first token only "
+                        "(the turn-boundary critic, §12)")
+    p.add_argument("--value_clip", type=float, default=0.0,
+                   help="fit: PPO value clipping against the minibatch's values before its first "
+                        "pass (0: none; the trainer: 0.2)")
+    p.add_argument("--passes", type=int, default=1,
+                   help="fit: gradient steps on each minibatch (the trainer's epochs per batch)")
+    p.add_argument("--head", choices=["linear", "mlp"], default="linear", help="fit: value head")
+    p.add_argument("--features", choices=["last", "concat2", "concat4"], default="last",
+                   help="fit: the head reads the last hidden state or the last 2 or 4 layers' "
+                        "outputs side by side")
+    p.add_argument("--separate", action="store_true",
+                   help="fit: a separate critic, a full trained copy of the top --lora_layers "
+                        "layers (trainer flag after --), no adapter")
+    p.add_argument("--layers", type=int, nargs="*", default=None,
+                   help="probe: the layers whose frozen states to fit (default: every 2nd)")
     a = p.parse_args(ours)
     if a.questions < CHUNK or a.questions % CHUNK:
         p.error(f"--questions must be a positive multiple of {CHUNK}, got {a.questions}")
-    for name in ("n_rollouts", "epochs", "minibatch"):
+    if a.value_clip < 0:
+        p.error(f"--value_clip must be >= 0, got {a.value_clip}")
+    for name in ("n_rollouts", "epochs", "minibatch", "passes"):
         if getattr(a, name) < 1:
             p.error(f"--{name} must be >= 1, got {getattr(a, name)}")
-    return {"collect": collect, "fit": fit, "report": report}[a.what](a, extra)
+    return {"collect": collect, "fit": fit, "probe": probe, "report": report}[a.what](a, extra)
 
 
 if __name__ == "__main__":

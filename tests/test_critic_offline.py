@@ -76,12 +76,30 @@ def test_report_reads_each_fit_record(tmp_path, monkeypatch):
 
     def row(epoch, held, first, train):
         return {"epoch": epoch, "held": {"ev_tokens": held, "ev_turn_start": first},
-                "train": {"ev_tokens": train}}
+                "train": {"ev_tokens": train, "ev_turn_start": train}}
     (tmp_path / "fit_top8.json").write_text(json.dumps({
         "name": "top8", "lora_layers": 8, "reference": {"ev_turn_start_held": 0.21},
-        "per_epoch": [row(0, 0.0, 0.0, 0.0), row(1, 0.05, 0.12, 0.3), row(2, 0.02, 0.1, 0.6)]}))
+        "per_epoch": [row(0, 0.0, 0.0, 0.0), row(1, 0.05, 0.12, 0.3), row(2, 0.02, 0.09, 0.6)]}))
+    (tmp_path / "fit_turn.json").write_text(json.dumps({
+        "name": "turn", "lora_layers": 8, "lora_r": 8, "trained_params": 1234,
+        "design": {"target": "turn", "value_clip": 0.2, "passes": 2, "head": "mlp",
+                   "features": "concat4", "separate": False},
+        "reference": {"ev_turn_start_held": 0.21},
+        "per_epoch": [row(0, 0.0, 0.0, 0.0), row(1, 0.05, 0.08, 0.3), row(2, 0.02, 0.11, 0.6)]}))
+    (tmp_path / "probe_frozen.json").write_text(json.dumps({
+        "name": "frozen", "reference": {"ev_turn_start_held": 0.21}, "layers": [
+            {"layer": 0, "cv_mse": 0.2, "ev_turn_start_held": 0.05, "ev_tokens_held": 0.04,
+             "ev_turn_start_train": 0.1},
+            {"layer": 2, "cv_mse": 0.3, "ev_turn_start_held": 0.15, "ev_tokens_held": 0.14,
+             "ev_turn_start_train": 0.2}]}))
     text = co.report(None, [])
-    assert "| top8 | 8 | 2 | +0.050 (epoch 1) | +0.120 | +0.600 | +0.210 |" in text
+    # the pass mark reads the last epoch (0.09: fail, though epoch 1 had 0.12), and the probe's
+    # CV-chosen layer (0: fail, though layer 2 does better on the held-out questions)
+    assert ("| top8 | LoRA r8 top 8, linear head on last, target token, clip none, 1 pass | – | 2 "
+            "| +0.090 fail | +0.120 (1) | +0.020 | +0.600 | +0.210 |") in text
+    assert ("| turn | LoRA r8 top 8, mlp head on concat4, target turn, clip 0.2, 2 passes | 1234 "
+            "| 2 | +0.110 **pass** | +0.110 (2) |") in text
+    assert "ridge on layer 0 (chosen by 5-fold CV" in text and "+0.050 fail | +0.150 (layer 2)" in text
     assert (tmp_path / "table.md").read_text() == text
 
 
@@ -99,8 +117,122 @@ def test_load_episodes_reads_every_chunk_and_names_a_missing_collection(tmp_path
     (["collect", "--questions", "20"], "--questions must be a positive multiple of 16"),
     (["fit", "--epochs", "0"], "--epochs must be >= 1"),
     (["fit", "--minibatch", "0"], "--minibatch must be >= 1"),
+    (["fit", "--passes", "0"], "--passes must be >= 1"),
+    (["fit", "--value_clip", "-0.1"], "--value_clip must be >= 0"),
+    (["fit", "--target", "step"], "invalid choice"),
 ])
 def test_bad_flags_stop_before_any_model_loads(argv, message, capsys):
     with pytest.raises(SystemExit):
         co.main(argv)
     assert message in capsys.readouterr().err
+
+
+def test_turn_starts_and_a_turn_level_critics_token_values():
+    tid = torch.tensor([[-1, 0, 0, 0, -1, 1, 1, -1],
+                        [-1, -1, 0, -1, -1, 1, 2, 2]])
+    first = co.turn_starts_mask(tid)
+    assert first.nonzero().tolist() == [[0, 1], [0, 5], [1, 2], [1, 5], [1, 6]]
+    v = torch.arange(16, dtype=torch.float).view(2, 8)
+    out = co.at_turn_start(v, tid)
+    # action tokens take their turn's first value; the rest keep theirs
+    assert out[0].tolist() == [0, 1, 1, 1, 4, 5, 5, 7]
+    assert out[1].tolist() == [8, 9, 10, 11, 12, 13, 14, 14]
+
+
+def test_ridge_recovers_a_linear_rule_and_shrinks_to_the_mean():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(200, 5, generator=g, dtype=torch.float64)
+    y = 0.3 + x @ torch.tensor([1.0, -2.0, 0.0, 0.5, 0.0], dtype=torch.float64)
+    pred = co.ridge_fit(x, y, 1e-6)
+    assert co.ev(pred(x), y) == pytest.approx(1.0, abs=1e-6)
+    flat = co.ridge_fit(x, y, 1e9)(x)
+    assert torch.allclose(flat, torch.full_like(flat, float(y.mean())), atol=1e-3)
+
+
+def test_mlp_head_starts_at_zero_and_can_learn():
+    head = co.MLPHead(6, width=16)
+    h = torch.randn(3, 4, 6)
+    assert head(h).shape == (3, 4) and torch.all(head(h) == 0)
+    opt = torch.optim.Adam(head.parameters(), lr=1e-2)
+    target = h[..., 0] * 2
+    for _ in range(300):
+        opt.zero_grad()
+        loss = ((head(h) - target) ** 2).mean()
+        loss.backward()
+        opt.step()
+    assert float(loss) < 0.05 * float((target ** 2).mean())
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """The tiny Qwen2 of the tests (2 layers) and a config that adapts both layers."""
+    import presets
+    import train_min
+    base = tmp_path_factory.mktemp("critic_offline")
+    cfg0 = train_min.parse_config(["--preset", "tiny", "--out_dir", str(base / "unused")])
+    path = presets.build_tiny_model(base / "tiny", train_min.make_suite(cfg0).corpus)
+    return path, base
+
+
+def toy_episodes(n: int = 8) -> list[dict]:
+    """R = 1 exactly when the prompt's first token is 5 (id 7 otherwise): a rule a critic can read
+    from the prefix at every position."""
+    eps = []
+    for i in range(n):
+        first = 5 if i % 2 else 7
+        ids = [first, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]
+        tid = [-1, -1, 0, 0, 0, -1, -1, 1, 1, -1, 2, 2]
+        eps.append(episode(i, float(i % 2), ids, tid))
+    return eps
+
+
+@pytest.mark.parametrize("design, trainer", [
+    (dict(target="token", head="linear", features="last", separate=False), ["--lora_layers", "1"]),
+    (dict(target="turn", head="mlp", features="concat2", separate=False), ["--lora_layers", "2"]),
+    (dict(target="token", head="linear", features="last", separate=True), ["--lora_layers", "1"]),
+])
+def test_each_critic_design_fits_a_readable_outcome_and_trains_only_its_own_weights(
+        tiny, design, trainer):
+    import train_min
+    from types import SimpleNamespace
+    path, base = tiny
+    torch.manual_seed(0)
+    cfg = train_min.parse_config(["--preset", "tiny", "--model", path, "--out_dir",
+                                  str(base / "u"), "--load_in_4bit", "false", "--lr_critic", "3e-3",
+                                  "--lr_value_head", "3e-2", *trainer])
+    tok, model, _ = train_min.load_model(cfg, torch.device("cpu"))
+    args = SimpleNamespace(value_clip=0.0, passes=1, **design)
+    critic = co.Critic(model, cfg, args, torch.device("cpu"))
+    frozen_before = {n: p.detach().clone() for n, p in model.named_parameters()
+                     if ".critic." not in n}
+    lora_before = {n: p.detach().clone() for n, p in model.named_parameters() if ".critic." in n}
+    eps = toy_episodes()
+    states = co.lower_states(model, eps, cfg, torch.device("cpu"), tok.pad_token_id)
+    assert co.evaluate(critic, eps, states, cfg, torch.device("cpu"), tok.pad_token_id)[
+        "mean_v"] == 0.0                                       # zero-initialised head: V = 0
+    opt = torch.optim.AdamW(critic.groups, weight_decay=0.0)
+    for _ in range(60):
+        co.update(critic, opt, eps, states, cfg, torch.device("cpu"), tok.pad_token_id, args)
+    out = co.evaluate(critic, eps, states, cfg, torch.device("cpu"), tok.pad_token_id)
+    assert out["ev_turn_start"] > 0.8 and out["ev_tokens"] > 0.8, out
+    for n, p in model.named_parameters():                       # the frozen base never moves
+        if n in frozen_before:
+            assert torch.equal(p, frozen_before[n]), n
+    moved = any(not torch.equal(p, lora_before[n]) for n, p in model.named_parameters()
+                if n in lora_before)
+    assert moved != design["separate"]       # the separate critic leaves the LoRA adapter alone
+    if design["separate"]:
+        assert critic.layers is not None and all(p.requires_grad for p in critic.layers.parameters())
+
+
+def test_concat_features_need_enough_layers(tiny):
+    import train_min
+    from types import SimpleNamespace
+    path, base = tiny
+    cfg = train_min.parse_config(["--preset", "tiny", "--model", path, "--out_dir",
+                                  str(base / "u"), "--load_in_4bit", "false", "--lora_layers", "1"])
+    _, model, _ = train_min.load_model(cfg, torch.device("cpu"))
+    args = SimpleNamespace(value_clip=0.0, passes=1, target="token", head="linear",
+                           features="concat4", separate=False)
+    with pytest.raises(SystemExit, match="--features concat4 needs 3 or more layers"):
+        co.Critic(model, cfg, args, torch.device("cpu"))
