@@ -238,10 +238,10 @@ def warm_start_smol(base: str, path: Path, episodes: list[list[dict]], seed: int
         return base
     if (path / "config.json").exists():
         return str(path)
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from run_utils import LORA_TARGETS
+    from run_utils import LORA_TARGETS, get_peft_model   # peft's, minus a FutureWarning not ours
     tok = AutoTokenizer.from_pretrained(base)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     n = model.config.num_hidden_layers

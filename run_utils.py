@@ -1,9 +1,11 @@
 """The run infrastructure of train_min.py, none of it the algorithm: command-line parsing with
-presets, device set-up, a bitsandbytes workaround, tokenizer loading, data order, seeding and RNG
-states, checkpoints (save, load, the `latest` pointer), resuming, metrics.jsonl (and
-TensorBoard), the SIGTERM / SIGINT stop flag, a step's metrics and its log line, pass@k and
-pass^k, evaluation-only runs; and the sampling machinery train_min.generate_turns uses (the
-generation config and its check, where a turn ends, the sampler's log-probs, rows per call).
+presets, device set-up, loading the base model (4-bit NF4, compute dtype, a bitsandbytes
+workaround) and its tokenizer, running a slice of its layers (--lora_layers), data order, seeding
+and RNG states, checkpoints (save, load, the `latest` pointer), resuming, metrics.jsonl (and
+TensorBoard), the SIGTERM / SIGINT stop flag, a step's metrics and its log line, the summary that
+ends a run, pass@k and pass^k, per-episode outcomes, evaluation-only runs; and the sampling
+machinery train_min.generate_turns uses (the generation config and its check, where a turn ends,
+the sampler's log-probs, rows per call, the sampled vocabulary, the action after </think>).
 
 A checkpoint is one folder, out_dir/checkpoints/step_NNNNNN/, holding CHECKPOINT_FILES: the two
 LoRA adapters and the value head (safetensors), the optimiser and RNG states (trainer_state.pt)
@@ -11,15 +13,19 @@ and state.json (step, questions seen, config); out_dir/checkpoints/latest names 
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
 import random
+import shlex
 import shutil
 import signal
 import socket
 import sys
 import time
+import warnings
+from contextlib import contextmanager
 from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Callable
@@ -48,13 +54,16 @@ def parse_with_presets(config_cls, presets: dict, argv=None):
     """config_cls from the command line (default sys.argv), then the chosen preset's overrides
     (presets: name -> presets.Preset, presets.PRESETS) except for flags given; every preset's own
     flags parse, only the chosen one's apply (into cfg.preset_options), and another preset's flag
-    is an error naming its preset."""
+    is an error naming its preset. A bad value raises ConfigError (a ValueError) naming the flag."""
     from transformers import HfArgumentParser
     argv = sys.argv[1:] if argv is None else argv
     option_types = list(dict.fromkeys(p.options for p in presets.values() if p.options))
     parser = HfArgumentParser([config_cls, *option_types], allow_abbrev=False)  # --step != --steps
-    cfg, *options, unknown = parser.parse_args_into_dataclasses(args=argv,
-                                                               return_remaining_strings=True)
+    try:
+        cfg, *options, unknown = parser.parse_args_into_dataclasses(args=argv,
+                                                                   return_remaining_strings=True)
+    except ValueError as e:             # a dataclass's own check (Config, a preset's options)
+        raise ConfigError(str(e)) from None
     if flags := [a for a in unknown if a.startswith("-")]:
         import difflib
         known = [a for action in parser._actions for a in action.option_strings]
@@ -298,6 +307,72 @@ def cpu_4bit_workaround(model) -> None:
     for m in model.modules():
         if isinstance(m, bnb.nn.Linear4bit):
             m.support_avx512bf16_for_cpu = False
+
+
+def load_base_model(cfg, device: torch.device):
+    """The tokenizer and the frozen base model of cfg.model on `device`: weights in the compute
+    dtype (compute_dtype), with --load_in_4bit in NF4 (bitsandbytes, QLoRA) and prepared for
+    k-bit training, with --gradient_checkpointing recomputing activations in backward."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+    tok = load_tokenizer(cfg.model)     # left-padded; a built model's as it was saved
+    dtype = compute_dtype(cfg, device)  # --dtype, auto = bf16 where the chip has it
+    kwargs = {"dtype": dtype}
+    if cfg.load_in_4bit:
+        if importlib.util.find_spec("bitsandbytes") is None:
+            raise SystemExit("--load_in_4bit needs bitsandbytes: pip install -r requirements.txt")
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=dtype)
+    base = AutoModelForCausalLM.from_pretrained(cfg.model, device_map={"": device}, **kwargs)
+    if cfg.load_in_4bit:
+        from peft import prepare_model_for_kbit_training
+        base = prepare_model_for_kbit_training(base, use_gradient_checkpointing=False)  # see below
+        # prepare_model_for_kbit_training casts the embeddings, norms and head to float32, and
+        # Linear4bit returns its input's dtype: hidden states, q/k/v and the KV cache would all
+        # be float32 (twice the memory budgeted). Back to the compute dtype; the LoRA weights
+        # (added by train_min.load_model), the value head, optimiser state and log-softmax stay
+        # float32.
+        for p in base.parameters():
+            if p.dtype == torch.float32 and dtype != torch.float32:
+                p.data = p.data.to(dtype)
+        cpu_4bit_workaround(base)       # a bitsandbytes CPU bug; GPUs: no-op
+    if cfg.gradient_checkpointing:
+        # transformers 5's name: gradient_checkpointing_enable (which the k-bit preparation would
+        # call) is a deprecated alias of it that prints a FutureWarning
+        base.activation_checkpointing_enable({"use_reentrant": False})   # torch.utils.checkpoint
+    return tok, base
+
+
+def get_peft_model(base, lora, **kwargs):
+    """peft.get_peft_model without the FutureWarning "`is_gradient_checkpointing` is deprecated"
+    it printed on every run: peft 0.21's PeftModel.__init__ reads that transformers-5 deprecated
+    alias of `is_activation_checkpointing` on the model it wraps (not a call of ours). Silenced for
+    this one call and this one message only; drop it once peft reads the new name."""
+    from peft import get_peft_model as peft_get_peft_model
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated",
+                                category=FutureWarning)
+        return peft_get_peft_model(base, lora, **kwargs)
+
+
+def first_adapted_layer(model) -> int:
+    """Index of the lowest decoder layer carrying LoRA (0 unless --lora_layers is set)."""
+    config = next(iter(model.peft_config.values()))          # all adapters share the layers
+    return min(config.layers_to_transform or [0])
+
+
+@contextmanager
+def decoder_layers(model, lo: int, hi: int):
+    """Run only decoder layers lo..hi-1 (the final norm only when hi is the top): the decoder's
+    own forward, with its masks and rotary positions, over a slice of its layer list."""
+    decoder = model.get_base_model().get_decoder()
+    layers, norm = decoder.layers, decoder.norm
+    decoder.layers = torch.nn.ModuleList(list(layers)[lo:hi])
+    decoder.norm = norm if hi == len(layers) else torch.nn.Identity()
+    try:
+        yield decoder
+    finally:
+        decoder.layers, decoder.norm = layers, norm
 
 
 def load_tokenizer(path: str):
@@ -604,6 +679,24 @@ def start_step(device: torch.device) -> float:
     return time.perf_counter()
 
 
+def phase_timer(times: dict) -> Callable:
+    """`phase(name, fn)` for train_min.train_step: runs fn() and records its wall-clock seconds
+    in times[name] (step_metrics logs them as time/<name>_s)."""
+    def timed(name: str, fn: Callable):
+        t = time.perf_counter()
+        result = fn()
+        times[name] = time.perf_counter() - t
+        return result
+    return timed
+
+
+def free_cached(device: torch.device) -> None:
+    """Hand the allocator's cached, unused blocks back between phases on a GPU (rollout, update
+    and evaluation allocate different shapes); rows_per_generate then sees them as free."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def within_turn_share(adv: torch.Tensor, turn_ids: torch.Tensor) -> float:
     """A gate on the intra-turn correction: the share of the advantages' variance over action
     tokens that lies within turns, Σ (A − mean of its turn)² / Σ (A − mean)². 0 when every token
@@ -681,6 +774,52 @@ def log_line(row: dict, stats: dict) -> str:
             f"{row['tokens_per_s']:.0f} tok/s | mem {mem}")
 
 
+PLOT_SCRIPT = Path(__file__).resolve().parent / "experiments" / "grid.py"   # `compare`: curves
+
+
+def shown_path(path: Path) -> str:
+    """`path` as a command line here would name it: relative to the working directory when it
+    lies inside it, else absolute; quoted for the shell where needed."""
+    path = Path(path).absolute()
+    try:
+        return shlex.quote(str(path.relative_to(Path.cwd())))
+    except ValueError:
+        return shlex.quote(str(path))
+
+
+def run_summary(out: Path) -> str:
+    """The lines that end a training run, read back from its metrics.jsonl: validation pass@1,
+    validation reward and train reward, each first -> last and the best with its step (the
+    earliest, on a tie); the run folder; the command that plots its curves (paths relative to
+    the working directory when inside it). `python train_min.py --preset tiny` (a loop check: its
+    random model learns nothing in 4 steps), started in the repository, ends with
+
+    --- run summary: 4 steps in runs/tiny-mpo-s0 ---
+    val pass@1   0.000 (step 2) -> 0.000 (step 4), best 0.000 (step 2)
+    val reward   0.000 (step 2) -> 0.000 (step 4), best 0.000 (step 2)
+    train reward 0.000 (step 1) -> 0.000 (step 4), best 0.000 (step 1)
+    run folder   runs/tiny-mpo-s0
+    plot curves  python experiments/grid.py compare runs/tiny-mpo-s0 --out runs/tiny-mpo-s0/report
+    """
+    rows = read_metrics(out / "metrics.jsonl")
+    folder = shown_path(out)
+    lines = [f"--- run summary: {rows[-1]['step'] if rows else 0} steps in {folder} ---"]
+    for key, name in (("val/pass@1", "val pass@1"), ("val/reward", "val reward"),
+                      ("train/reward", "train reward")):
+        points = [(r["step"], r[key]) for r in rows if key in r]
+        if not points:
+            lines.append(f"{name:<12} not measured")
+            continue
+        (first_step, first), (last_step, last) = points[0], points[-1]
+        best_step, best = max(points, key=lambda p: p[1])          # the first of equal maxima
+        lines.append(f"{name:<12} {first:.3f} (step {first_step}) -> {last:.3f} (step "
+                     f"{last_step}), best {best:.3f} (step {best_step})")
+    lines += [f"{'run folder':<12} {folder}",
+              f"{'plot curves':<12} python {shown_path(PLOT_SCRIPT)} compare {folder} --out "
+              f"{shown_path(out / 'report')}"]
+    return "\n".join(lines)
+
+
 # --- sampling (train_min.generate_turns): the softmax only, where a turn ends, the KV budget ---
 
 class SampledVocab:
@@ -693,6 +832,14 @@ class SampledVocab:
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         scores[:, self.n:] = float("-inf")                                     # (B, V)
         return scores
+
+
+def sampled_vocab(model) -> int:
+    """How many ids sampling may draw: the tokenizer's (train_min.load_model sets
+    model.sampled_vocab). The embedding can have more rows (Qwen: 151,936 rows, 151,665 tokens; a
+    model built with random weights for a memory check puts real mass on them): those are never
+    sampled (SampledVocab) and get log-prob −inf, so the trained π is exactly the sampled one."""
+    return getattr(model, "sampled_vocab", None) or model.get_output_embeddings().out_features
 
 
 def thinking_mode(tok, cfg) -> bool:
@@ -713,6 +860,15 @@ def thinking_mode(tok, cfg) -> bool:
                           "action; give the reasoning a budget, e.g. --max_think_tokens 1024 "
                           "(--preset qwen3_thinking sets 768)")
     return thinking
+
+
+def split_reasoning(text: str, thinking: bool) -> tuple[str, str]:
+    """(reasoning, action) of one decoded turn: in thinking mode the action is what follows the
+    first </think> ("" when the reasoning never closed); otherwise the whole turn is the action."""
+    if not thinking:
+        return "", text
+    reasoning, closed, action = text.partition("</think>")
+    return (reasoning, action) if closed else (text, "")
 
 
 def turn_budget(cfg, thinking: bool) -> int:
@@ -750,10 +906,15 @@ def rows_per_generate(model, width: int, cfg, new_tokens: int) -> int:
 def generation_config(tok, cfg, greedy: bool, max_new_tokens: int, stop_ids: list[int]):
     """Pure sampling from the model's softmax at --temperature (or greedy decoding): the hub's
     top_p / top_k / repetition_penalty defaults would make the behaviour policy differ from the
-    π whose log-probs we train on (check_generation_config checks what `generate` resolves)."""
+    π whose log-probs we train on (check_generation_config checks what `generate` resolves).
+    Sampling sets top_k 0 (no top-k cut: transformers' default is 50). Greedy decoding runs no
+    sampling step, and transformers warns ("generation flags are not valid") about a sampling flag
+    away from its default there, ours (top_k 0) or one left unset and filled from the model's
+    generation_config (Qwen2.5: temperature 0.7, top_p 0.8, top_k 20): greedy sets the defaults."""
     from transformers import GenerationConfig
-    return GenerationConfig(do_sample=not greedy, temperature=None if greedy else cfg.temperature,
-                            top_p=1.0, top_k=0, repetition_penalty=1.0,
+    sampling = ({"temperature": 1.0, "top_p": 1.0, "top_k": 50} if greedy       # all unused
+                else {"temperature": cfg.temperature, "top_p": 1.0, "top_k": 0})
+    return GenerationConfig(do_sample=not greedy, **sampling, repetition_penalty=1.0,
                             max_new_tokens=max_new_tokens, eos_token_id=stop_ids,
                             pad_token_id=tok.pad_token_id)
 
@@ -844,6 +1005,16 @@ class TurnEnd:
         return self.done
 
 
+def sampled_turn(row: list[int], stop_ids, tok, stop_strings: tuple[str, ...] = (),
+                 thinking: bool = False) -> list[int]:
+    """The ids the policy sampled in one row of `generate`'s output, replayed through TurnEnd:
+    up to and including the first stop id or the token that completes the first stop string
+    (after </think> in thinking mode). `generate` pads a row whose turn ended with pad_token_id
+    until the whole batch stops; the pad is a stop id but was never sampled, so it must not
+    become an action token (nor, with Qwen's pad <|endoftext|> != <|im_end|>, context)."""
+    return TurnEnd(tok, stop_ids, stop_strings, thinking).feed(row).ids
+
+
 class TurnRecorder:
     """The stopping criterion and last logits processor of one `generate` call: feeds each row's
     new token to its TurnEnd (a row stops where its turn ends) and records the log-probability
@@ -921,6 +1092,26 @@ def episode_stats(trajs: list, n: int, prefix: str) -> dict[str, float]:
     out[prefix + "turn_truncated_rate"] = float(np.mean([bool(t.info.get("turn_truncated"))
                                                          for t in trajs]))
     return out
+
+
+def write_outcomes(trajs: list, tasks: list, n: int, path: Path) -> None:
+    """Per-episode outcomes of an evaluation as JSON lines (question, sample, reward, turns,
+    malformed, answer, ...), written atomically (a crash leaves no half file), so runs can be
+    compared question by question. `trajs`: train_min.Trajectory objects, n per task."""
+    lines = []
+    for i, t in enumerate(trajs):
+        task = tasks[t.group]
+        row = {"index": t.group, "sample": i % n, "id": getattr(task, "id", str(t.group)),
+               "question": getattr(task, "question", None), "gold": getattr(task, "answer", None),
+               "reward": t.reward, "turns": t.n_turns,
+               "action_tokens": sum(x >= 0 for x in t.turn_ids)}
+        row.update({k: v for k, v in t.info.items()
+                    if isinstance(v, (bool, int, float, str)) and k != "turns"})
+        lines.append(json.dumps(row))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("\n".join(lines) + "\n")
+    tmp.replace(path)
 
 
 def eval_only(ckpt: Path | None, model, value_head, evaluate: Callable[[str], dict],

@@ -6,6 +6,7 @@ with MPO on one 24 GB GPU, with its ablations and baselines.
     python train_min.py --variant mpo_beta0        # setting C: β = 0 (turn GAE only)
     python train_min.py --variant ppo | grpo | gspo   # baselines
     python train_min.py --preset qwen3_thinking    # the paper's model, Qwen3-4B-Thinking (GPU)
+    python train_min.py --preset smol              # the CPU demo (the plain command without a GPU)
     python train_min.py --preset tiny              # the whole loop on CPU in < 2 minutes
     python train_min.py --preset testbed           # CPU credit-assignment task (docs/testbed.md)
 
@@ -14,23 +15,27 @@ and "critic", plus a value head on the critic's last hidden state: the paper's t
 critic without a second model in memory. Each step samples `questions_per_step` questions x
 `n_rollouts` multi-turn episodes (<search>…</search> → <information>…</information> → …
 → <answer>…</answer>) in batched `generate` calls, computes MPO advantages with mpo.py, and
-runs PPO-style epochs over the batch. Expected (§10): A > B > C in validation pass@1.
+runs PPO-style epochs over the batch. Expected (§10): A > B > C in validation pass@1. A run ends
+with a summary: validation pass@1 first -> last and best, its folder, the command to plot it.
 
-Measured so far, on a shared 2-core CPU: `--preset tiny` takes about 40 s from a cold cache (the
-tiny model's build and warm start included) and 10 s once cached; `--preset testbed` learns its
-task in 60 updates (docs/testbed.md). GPU peak memory and seconds per step of the default run are
-NOT measured yet (no GPU so far; docs/reproduction.md says when they are).
+Measured on a shared 2-core CPU: `--preset tiny` about 40 s from a cold cache (its model's build
+and warm start included), 10 s once cached; `--preset smol` about 30 min for 20 steps
+(docs/smol.md). On one H200 under --memory_cap_gb 24 (2026-12-04, commit 24f0c8f, before issue
+38's bf16 activations; random weights of the real shapes, every turn and episode at its cap: upper
+bounds; docs/reproduction.md), Qwen2.5-1.5B setting A peaks at 16.4 GB allocated (19.3 GB
+reserved) in the rollout and takes 79 s a step (rollout 52.7 s, scoring 5.6 s, update 20.8 s);
+Qwen3-4B's rollout takes 18.8 GB (23.9 GB reserved) and 139 s, its update not reached. NOT
+measured: the current code on a GPU, a trained model's step time, the 150-step wall time and
+validation pass@1 of A, B and C (no GPU training run so far).
 
 Sections follow the run order; algorithm lines carry a `# MPO:` tag. Presets live in presets.py,
-the search task's data in search_env.py, checkpoints, metrics and pass@k in run_utils.py.
+the search task's data in search_env.py; run_utils.py holds the plumbing that is not the
+iteration: base-model loading, sampling machinery, checkpoints, metrics, pass@k, the summary.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
-import time
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -41,17 +46,20 @@ from torch.utils.checkpoint import checkpoint
 
 import mpo
 import presets
-import search_env
 from search_env import Suite, search_suite
+# run_utils: the plumbing; some names only re-exported (tests and experiments use train_min.X)
 from run_utils import (LORA_TARGETS, ConfigError, MetricsLog, RunLock, StopFlag, check_out_dir,
-                       compute_dtype, cpu_4bit_workaround, critic_gates, episode_stats,
-                       eval_config, eval_only, load_tokenizer, log_line, parse_with_presets,
-                       questions_at, resume, save_checkpoint, seed_everything, setup_device,
-                       start_step, step_metrics)
+                       critic_gates, decoder_layers, episode_stats, eval_config, eval_only,
+                       first_adapted_layer, free_cached, get_peft_model, load_base_model,
+                       load_tokenizer, log_line, parse_with_presets, phase_timer, questions_at,
+                       resume, run_summary, save_checkpoint, seed_everything, setup_device,
+                       start_step, step_metrics, write_outcomes)
 # sampling: the softmax only (generation_config, checked), where a turn ends (TurnEnd: stop
-# strings, </think>, budgets), generate's own log-probs (TurnRecorder), rows per generate call
+# strings, </think>, budgets), generate's own log-probs (TurnRecorder), rows per generate call,
+# the tokenizer's ids only (sampled_vocab), the action after </think> (split_reasoning)
 from run_utils import (SampledVocab, Turn, TurnEnd, TurnRecorder, check_generation_config,
-                       generation_config, rows_per_generate, thinking_mode, turn_budget)
+                       generation_config, rows_per_generate, sampled_turn, sampled_vocab,
+                       split_reasoning, thinking_mode, turn_budget)
 
 VARIANTS = ("mpo", "mpo_token_is", "mpo_beta0", "ppo", "grpo", "gspo", "vapo", "sao")
 
@@ -190,12 +198,7 @@ class Config:
 def parse_config(argv=None) -> Config:
     """Config from argv (default sys.argv) with the preset's overrides and its own flags; a bad
     value raises ConfigError (a ValueError) naming the flag."""
-    try:
-        return parse_with_presets(Config, presets.PRESETS, argv)
-    except ConfigError:
-        raise
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    return parse_with_presets(Config, presets.PRESETS, argv)      # run_utils
 
 
 # --- Model: 4-bit base, "policy" and "critic" LoRA adapters, value head ------------------------
@@ -214,32 +217,10 @@ class ValueHead(nn.Module):
 
 def load_model(cfg: Config, device: torch.device):
     """Tokenizer, the PEFT model (frozen base + "policy" and "critic" adapters), the value head."""
-    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-    tok = load_tokenizer(cfg.model)     # run_utils: left-padded; a built model's as it was saved
-    dtype = compute_dtype(cfg, device)  # run_utils: --dtype, auto = bf16 where the chip has it
-    kwargs = {"dtype": dtype}
-    if cfg.load_in_4bit:
-        if importlib.util.find_spec("bitsandbytes") is None:
-            raise SystemExit("--load_in_4bit needs bitsandbytes: pip install -r requirements.txt")
-        kwargs["quantization_config"] = BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=dtype)
-    base = AutoModelForCausalLM.from_pretrained(cfg.model, device_map={"": device}, **kwargs)
-    if cfg.load_in_4bit:
-        base = prepare_model_for_kbit_training(
-            base, use_gradient_checkpointing=cfg.gradient_checkpointing,
-            gradient_checkpointing_kwargs={"use_reentrant": False})
-        # prepare_model_for_kbit_training casts the embeddings, norms and head to float32, and
-        # Linear4bit returns its input's dtype: hidden states, q/k/v and the KV cache would all
-        # be float32 (twice the memory budgeted). Back to the compute dtype; the LoRA weights
-        # (added below), the value head, optimiser state and log-softmax stay float32.
-        for p in base.parameters():
-            if p.dtype == torch.float32 and dtype != torch.float32:
-                p.data = p.data.to(dtype)
-        cpu_4bit_workaround(base)       # run_utils: a bitsandbytes CPU bug; GPUs: no-op
-    elif cfg.gradient_checkpointing:
-        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    from peft import LoraConfig
+    # run_utils: the base in the compute dtype (--dtype, auto = bf16 where the chip has it), in
+    # NF4 with --load_in_4bit (activations and KV cache stay in the compute dtype), checkpointing
+    tok, base = load_base_model(cfg, device)
     # LoRA dropout 0: the first minibatch's ratio must be exactly 1 (old_logp = logp).
     n_layers = base.config.num_hidden_layers
     if not 0 <= cfg.lora_layers <= n_layers:
@@ -261,26 +242,6 @@ def use_adapter(model, name: str) -> None:
     """Activate one adapter. peft's set_adapter freezes the others: always call backward()
     for a loss before switching, or that loss's adapter silently gets no gradient."""
     model.set_adapter(name)
-
-
-def first_adapted_layer(model) -> int:
-    """Index of the lowest decoder layer carrying LoRA (0 unless --lora_layers is set)."""
-    config = next(iter(model.peft_config.values()))          # all adapters share the layers
-    return min(config.layers_to_transform or [0])
-
-
-@contextmanager
-def decoder_layers(model, lo: int, hi: int):
-    """Run only decoder layers lo..hi-1 (the final norm only when hi is the top): the decoder's
-    own forward, with its masks and rotary positions, over a slice of its layer list."""
-    decoder = model.get_base_model().get_decoder()
-    layers, norm = decoder.layers, decoder.norm
-    decoder.layers = nn.ModuleList(list(layers)[lo:hi])
-    decoder.norm = norm if hi == len(layers) else nn.Identity()
-    try:
-        yield decoder
-    finally:
-        decoder.layers, decoder.norm = layers, norm
 
 
 @torch.no_grad()
@@ -310,14 +271,6 @@ def hidden_states(model, ids, attn, frozen=None) -> torch.Tensor:
 # 2.3 GB, plus as much again in backward. Projecting LOGPROB_CHUNK rows at a time and recomputing
 # each chunk in backward (torch.utils.checkpoint) keeps one (256, V) chunk alive: ~0.16 GB each.
 LOGPROB_CHUNK = 256
-
-
-def sampled_vocab(model) -> int:
-    """How many ids sampling may draw: the tokenizer's (load_model sets model.sampled_vocab).
-    The embedding can have more rows (Qwen: 151,936 rows, 151,665 tokens; a model built with
-    random weights for a memory check puts real mass on them): those are never sampled
-    (SampledVocab) and get log-prob −inf, so the trained π is exactly the sampled one."""
-    return getattr(model, "sampled_vocab", None) or model.get_output_embeddings().out_features
 
 
 def chunk_logprobs(lm_head, h, targets, temperature: float, n_vocab: int):
@@ -446,25 +399,6 @@ def generate_turns(model, tok, prompts: list[list[int]], cfg: Config, greedy: bo
             turn.sampler_logp = None if greedy else logp
             out_turns.append(turn)
     return out_turns
-
-
-def sampled_turn(row: list[int], stop_ids, tok, stop_strings: tuple[str, ...] = (),
-                 thinking: bool = False) -> list[int]:
-    """The ids the policy sampled in one row of `generate`'s output, replayed through TurnEnd:
-    up to and including the first stop id or the token that completes the first stop string
-    (after </think> in thinking mode). `generate` pads a row whose turn ended with pad_token_id
-    until the whole batch stops; the pad is a stop id but was never sampled, so it must not
-    become an action token (nor, with Qwen's pad <|endoftext|> != <|im_end|>, context)."""
-    return TurnEnd(tok, stop_ids, stop_strings, thinking).feed(row).ids
-
-
-def split_reasoning(text: str, thinking: bool) -> tuple[str, str]:
-    """(reasoning, action) of one decoded turn: in thinking mode the action is what follows the
-    first </think> ("" when the reasoning never closed); otherwise the whole turn is the action."""
-    if not thinking:
-        return "", text
-    reasoning, closed, action = text.partition("</think>")
-    return (reasoning, action) if closed else (text, "")
 
 
 def rollout(model, tok, suite: Suite, tasks: list, cfg: Config, n: int,
@@ -751,24 +685,6 @@ def evaluate(model, tok, suite: Suite, cfg: Config, path: Path | None = None) ->
     return episode_stats(trajs, n, "val/")
 
 
-def write_outcomes(trajs: list[Trajectory], tasks: list, n: int, path: Path) -> None:
-    """Per-episode outcomes as JSON lines, written atomically (a crash leaves no half file)."""
-    lines = []
-    for i, t in enumerate(trajs):
-        task = tasks[t.group]
-        row = {"index": t.group, "sample": i % n, "id": getattr(task, "id", str(t.group)),
-               "question": getattr(task, "question", None), "gold": getattr(task, "answer", None),
-               "reward": t.reward, "turns": t.n_turns,
-               "action_tokens": sum(x >= 0 for x in t.turn_ids)}
-        row.update({k: v for k, v in t.info.items()
-                    if isinstance(v, (bool, int, float, str)) and k != "turns"})
-        lines.append(json.dumps(row))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("\n".join(lines) + "\n")
-    tmp.replace(path)
-
-
 # --- Warm start: supervised next-token training, for the CPU presets' models (presets.py) ------
 def supervised_warm_start(model, tok, episodes: list[list[dict]], steps: int, seed: int,
                           batch_size: int, lr: float, desc: str = "warm start") -> None:
@@ -828,13 +744,7 @@ def train_step(model, value_head, opt, tok, suite: Suite, cfg: Config, step: int
     the update's statistics and each phase's seconds; `phase(name, fn)` runs a phase (default:
     timed), e.g. counting its FLOPs instead (experiments/benchmarks/bench_dtype.py)."""
     times = {}
-
-    def timed(name: str, fn: Callable):
-        t = time.perf_counter()
-        result = fn()
-        times[name] = time.perf_counter() - t
-        return result
-    phase = phase or timed
+    phase = phase or phase_timer(times)    # run_utils: runs fn(), its seconds into times[name]
     start_step(device)                  # run_utils: restarts the GPU's peak memory count
     # --- rollout: the next questions in data order, n_rollouts episodes each ---
     tasks = [suite.train[i] for i in questions_at(len(suite.train), cfg.seed,
@@ -851,13 +761,6 @@ def train_step(model, value_head, opt, tok, suite: Suite, cfg: Config, step: int
     stats = phase("update", lambda: update(model, value_head, opt, batch, cfg))
     free_cached(device)                 # activations' blocks: the next rollout has other shapes
     return trajs, batch, stats, times
-
-
-def free_cached(device) -> None:
-    """Hand the allocator's cached, unused blocks back between phases on a GPU (rollout, update
-    and evaluation allocate different shapes); rows_per_generate then sees them as free."""
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 def main(argv=None) -> dict:
@@ -932,6 +835,7 @@ def run(cfg: Config, argv: list[str]) -> dict:
             break
     bar.close()
     log.close()
+    print(run_summary(out))             # val pass@1 first -> last, best; the folder; plot command
     return row
 
 

@@ -211,7 +211,7 @@ def test_gradient_checkpointing_gives_both_adapters_the_same_gradients(shape_mod
         with torch.no_grad():
             value_head.linear.weight.normal_(0, 0.3)
         model.train()
-        assert model.is_gradient_checkpointing == checkpointing
+        assert model.is_activation_checkpointing == checkpointing   # (is_gradient_...: deprecated)
         train_min.use_adapter(model, "policy")          # as update(): backward before switching
         train_min.token_logprobs(model, ids, attn, act)[0].sum().backward()
         train_min.use_adapter(model, "critic")

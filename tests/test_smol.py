@@ -195,8 +195,10 @@ def test_missing_smol_package_names_the_install_command(monkeypatch):
 def test_warm_start_through_frozen_layers_equals_the_full_forward(tiny_llama, suite, monkeypatch):
     """train_min.supervised_warm_start caches the frozen layers' output for a top-layers LoRA: the
     adapter it trains must be the one the plain full-forward loss trains."""
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from run_utils import get_peft_model        # peft's, without a FutureWarning not ours
     cfg, s = suite
     episodes = [search_env.run_episode(s.make_env(q), search_env.reading_oracle(q)).messages
                 for q in s.train[:4]]

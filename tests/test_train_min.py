@@ -573,6 +573,44 @@ def test_tiny_preset_end_to_end_writes_metrics_and_complete_checkpoints(full_run
                    and {"turns", "malformed", "answer", "em", "action_tokens"} <= x.keys() for x in lines)
 
 
+SUMMARY_LINE = (r"(val pass@1|val reward|train reward) +([\d.]+) \(step (\d+)\) -> ([\d.]+) "
+                r"\(step (\d+)\), best ([\d.]+) \(step (\d+)\)")
+
+
+def test_a_finished_run_ends_with_a_summary_that_matches_its_metrics_log(e2e, base, parity_reward,
+                                                                         capsys):
+    """The last lines a run prints summarise it, read back from its metrics.jsonl: validation
+    pass@1 and reward and train reward, each first -> last and the best with its (earliest) step,
+    to the 3 decimals printed; the run folder, which exists; and the command that plots its
+    curves, which (run here) writes them."""
+    import re
+    import shlex
+    out = base / "summary"
+    run_main(["--preset", "tiny", "--steps", "3", "--eval_every", "1", "--eval_first", "true",
+              "--out_dir", str(out)])
+    printed = capsys.readouterr().out.strip().splitlines()[-6:]
+    assert printed[0] == f"--- run summary: 3 steps in {run_utils.shown_path(out)} ---"
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    for line, key, steps in zip(printed[1:4], ("val/pass@1", "val/reward", "train/reward"),
+                                ([0, 1, 2, 3], [0, 1, 2, 3], [1, 2, 3])):
+        m = re.fullmatch(SUMMARY_LINE, line)
+        assert m and m[1] == key.replace("/", " "), line
+        values = {r["step"]: r[key] for r in rows if key in r}
+        assert sorted(values) == steps
+        best = max(values.values())
+        best_step = min(s for s, v in values.items() if v == best)
+        for shown, value in ((m[2], values[steps[0]]), (m[4], values[steps[-1]]), (m[6], best)):
+            assert abs(float(shown) - value) <= 5e-4, (line, value)
+        assert [int(m[3]), int(m[5]), int(m[7])] == [steps[0], steps[-1], best_step], line
+    (label, folder), (plot, command) = ((line[:12].strip(), line[13:]) for line in printed[4:])
+    assert label == "run folder" and Path(folder).is_dir() and Path(folder).samefile(out)
+    assert plot == "plot curves" and command.startswith("python ")
+    argv = shlex.split(command)
+    proc = subprocess.run([sys.executable, *argv[1:]], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert (out / "report" / "val_passat1.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def _stable(row: dict) -> str:
     return json.dumps({k: v for k, v in row.items() if not k.startswith(VOLATILE)}, sort_keys=True)
 

@@ -292,6 +292,80 @@ def test_resolved_generation_config_is_pure_sampling_even_with_qwen_hub_defaults
         model.generation_config = saved
 
 
+@pytest.fixture
+def transformers_warnings():
+    """The records transformers logs at WARNING while the test runs. Its warning_once cache is
+    cleared first: a message printed earlier in this process would otherwise not be logged again."""
+    import logging
+
+    from transformers.utils import logging as hf_logging
+    records, handler = [], logging.Handler()
+    handler.emit = records.append
+    hf_root, level = logging.getLogger("transformers"), hf_logging.get_verbosity()
+    hf_logging.set_verbosity_warning()
+    hf_logging.warning_once.cache_clear()
+    hf_root.addHandler(handler)
+    yield records
+    hf_root.removeHandler(handler)
+    hf_logging.set_verbosity(level)
+
+
+@pytest.mark.parametrize("four_bit", ["true", "false"])
+def test_load_and_generate_warn_neither_top_k_flag_nor_deprecated_checkpointing(
+        tiny_path, base, transformers_warnings, four_bit):
+    """Harmless warnings every run printed are gone at their source. transformers' "generation
+    flags are not valid ... ['top_k']": greedy decoding was given top_k 0, a sampling-only flag
+    away from transformers' default (run_utils.generation_config now gives greedy the defaults,
+    also over a model's own sampling defaults, Qwen2.5's here). FutureWarning "`is_gradient_
+    checkpointing` is deprecated": peft's get_peft_model reads that alias on the model it wraps
+    (run_utils.get_peft_model silences that one message around that one call); and
+    "`gradient_checkpointing_enable` is deprecated", our call and the k-bit preparation's
+    (run_utils.load_base_model calls activation_checkpointing_enable)."""
+    import warnings
+
+    from transformers import GenerationConfig
+    cfg = make_cfg(tiny_path, base, "--gradient_checkpointing", "true", "--load_in_4bit", four_bit)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tok, model, _ = train_min.load_model(cfg, CPU)
+        suite = train_min.make_suite(cfg)
+        prompts = [train_min.render_ids(tok, suite.make_env(q).reset()) for q in suite.val[:2]]
+        hub = model.get_base_model()
+        for defaults in (hub.generation_config, GenerationConfig(
+                temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.05, do_sample=True)):
+            hub.generation_config = defaults
+            for greedy in (True, False):
+                turns = train_min.generate_turns(model, tok, prompts, cfg, greedy)
+                assert len(turns) == 2 and all(len(t) > 0 for t in turns)
+    assert hub.is_activation_checkpointing                   # still on, by its new name
+    deprecated = [str(w.message) for w in caught if "checkpointing" in str(w.message)]
+    assert deprecated == []
+    flags = [r.getMessage() for r in transformers_warnings if "generation flags" in r.getMessage()]
+    assert flags == []
+
+
+def test_the_warning_checks_see_both_warnings_when_they_are_there(tiny_path, base,
+                                                                  transformers_warnings):
+    """The test above can fail: peft's own get_peft_model, the deprecated
+    gradient_checkpointing_enable and a greedy config with top_k 0 (the code before the fix) emit
+    what it looks for."""
+    import warnings
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, GenerationConfig
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hub = AutoModelForCausalLM.from_pretrained(tiny_path)
+        hub.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        get_peft_model(hub, LoraConfig(r=2, target_modules=["q_proj"]))
+        GenerationConfig(do_sample=False, top_p=1.0, top_k=0, max_new_tokens=4)
+    messages = [str(w.message) for w in caught]
+    assert any("`gradient_checkpointing_enable` is deprecated" in m for m in messages)
+    assert any("`is_gradient_checkpointing` is deprecated" in m for m in messages)
+    assert any("generation flags" in r.getMessage() and "top_k" in r.getMessage()
+               for r in transformers_warnings)
+
+
 # --- 2. activations in the compute dtype after k-bit preparation --------------------------------
 
 def test_4bit_base_runs_in_bf16_after_kbit_preparation_with_float32_lora(tiny_path, base):
