@@ -165,11 +165,22 @@ def as_batch(eps: list[dict], device, pad_id: int) -> dict:
 
 
 @torch.no_grad()
-def lower_states(model, eps, cfg, device, pad_id) -> list[torch.Tensor | None]:
+def lower_states(model, eps, cfg, device, pad_id, cache: Path | None = None
+                 ) -> list[torch.Tensor | None]:
     """Each episode's output of the frozen layers below the adapters ((T_i, H), computed once:
-    most of the compute on a CPU); None per episode when every layer is adapted."""
+    most of the compute on a CPU); None per episode when every layer is adapted. With `cache`,
+    read from / written to that file (named by the split layer and dtype: fits of the same
+    split share it; ~20 min saved per fit on one core)."""
     import train_min
     from tqdm import tqdm
+    split = train_min.first_adapted_layer(model)
+    key = {"split": split, "dtype": str(next(model.parameters()).dtype),
+           "lengths": [len(e["ids"]) for e in eps], "rewards": [e["reward"] for e in eps]}
+    if cache is not None and split and cache.exists():
+        saved = torch.load(cache)
+        if saved["key"] == key:
+            print(f"[fit] frozen layers' outputs read from {cache}")
+            return saved["states"]
     states = []
     for s in tqdm(range(0, len(eps), cfg.micro_batch_size), desc="frozen layers", unit="micro"):
         part = eps[s:s + cfg.micro_batch_size]
@@ -177,6 +188,10 @@ def lower_states(model, eps, cfg, device, pad_id) -> list[torch.Tensor | None]:
         h = train_min.frozen_states(model, b["ids"], b["attn"])
         states += [None if h is None else h[i, :len(e["ids"])].clone()
                    for i, e in enumerate(part)]
+    if cache is not None and split:
+        tmp = cache.with_suffix(".tmp")
+        torch.save({"key": key, "states": states}, tmp)
+        tmp.rename(cache)                                   # whole files only
     return states
 
 
@@ -372,8 +387,10 @@ def fit(args, extra: list[str]) -> None:
     print(f"[fit] {args.name}: {len(train)} training / {len(held)} held-out episodes; {design}; "
           f"{record['trained_params']:,} trained parameters; reference (linear, 3 features) "
           f"held-out EV at turn starts {record['reference']['ev_turn_start_held']:.3f}")
-    st_train = lower_states(model, train, cfg, device, pad)
-    st_held = lower_states(model, held, cfg, device, pad)
+    split, dtype = cfg.lora_layers, compute_dtype_name(model)
+    st_train = lower_states(model, train, cfg, device, pad,
+                            out / f"lower-top{split}-{dtype}-train.pt")
+    st_held = lower_states(model, held, cfg, device, pad, out / f"lower-top{split}-{dtype}-held.pt")
     t0 = time.time()
     for epoch in range(args.epochs + 1):
         if epoch:                                               # epoch 0: before any update
@@ -489,6 +506,10 @@ def probe(args, extra: list[str]) -> dict:
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"probe_{args.name}.json").write_text(json.dumps(record, indent=1))
     return record
+
+
+def compute_dtype_name(model) -> str:
+    return str(next(model.parameters()).dtype).replace("torch.", "")
 
 
 def cpu_name() -> str:

@@ -236,3 +236,23 @@ def test_concat_features_need_enough_layers(tiny):
                            features="concat4", separate=False)
     with pytest.raises(SystemExit, match="--features concat4 needs 3 or more layers"):
         co.Critic(model, cfg, args, torch.device("cpu"))
+
+
+def test_lower_states_are_cached_per_split_and_recomputed_for_other_episodes(tiny, monkeypatch):
+    import train_min
+    path, base = tiny
+    cfg = train_min.parse_config(["--preset", "tiny", "--model", path, "--out_dir",
+                                  str(base / "u"), "--load_in_4bit", "false", "--lora_layers", "1"])
+    tok, model, _ = train_min.load_model(cfg, torch.device("cpu"))
+    eps, cache = toy_episodes(4), base / "lower.pt"
+    first = co.lower_states(model, eps, cfg, torch.device("cpu"), tok.pad_token_id, cache)
+    assert cache.exists() and first[0].shape == (12, model.config.hidden_size)
+    calls = []
+    real = train_min.frozen_states
+    monkeypatch.setattr(train_min, "frozen_states", lambda *a: calls.append(1) or real(*a))
+    again = co.lower_states(model, eps, cfg, torch.device("cpu"), tok.pad_token_id, cache)
+    assert calls == [] and all(torch.equal(a, b) for a, b in zip(first, again))
+    other = toy_episodes(4)
+    other[0]["reward"] = 0.5                                   # different episodes: recomputed
+    co.lower_states(model, other, cfg, torch.device("cpu"), tok.pad_token_id, cache)
+    assert calls
