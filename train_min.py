@@ -22,11 +22,12 @@ Measured on a shared 2-core CPU: `--preset tiny` about 40 s from a cold cache (i
 and warm start included), 10 s once cached; `--preset smol` about 13 min for 20 steps alone on
 the machine, 30 or more beside other jobs (docs/smol.md). On one H200 under --memory_cap_gb 24
 (2026-12-04, commit 24f0c8f, before issue 38's bf16 activations; random weights of the real
-shapes, every turn and episode at its cap: upper bounds; docs/reproduction.md), Qwen2.5-1.5B setting A peaks at 16.4 GB allocated (19.3 GB
-reserved) in the rollout and takes 79 s a step (rollout 52.7 s, scoring 5.6 s, update 20.8 s);
-Qwen3-4B's rollout takes 18.8 GB (23.9 GB reserved) and 139 s, its update not reached. NOT
-measured: the current code on a GPU, a trained model's step time, the 150-step wall time and
-validation pass@1 of A, B and C (no GPU training run so far).
+shapes, every turn and episode at its cap: upper bounds; docs/reproduction.md), Qwen2.5-1.5B
+setting A peaks at 16.4 GB allocated (19.3 GB reserved) in the rollout and takes 79 s a step
+(rollout 52.7 s, scoring 5.6 s, update 20.8 s); Qwen3-4B's rollout takes 18.8 GB (23.9 GB
+reserved) and 139 s, its update not reached. NOT measured: the current code on a GPU, a trained
+model's step time, the 150-step wall time and validation pass@1 of A, B and C (no GPU training
+run so far).
 
 Sections follow the run order; algorithm lines carry a `# MPO:` tag. Presets live in presets.py,
 the search task's data in search_env.py; run_utils.py holds the plumbing that is not the
