@@ -1076,12 +1076,37 @@ def map_records(paths=None) -> list[dict]:
     return records
 
 
+MAP_SEEDS = len(V2_SEEDS)      # a setting enters the map when every variant has this many seeds
+
+
+def complete(records: list[dict], seeds: int | None = None) -> list[dict]:
+    """The records of the settings whose every variant has all `seeds` (MAP_SEEDS) seeds: the map
+    shows a setting only once its grid is complete (running() names the others)."""
+    seeds = seeds or MAP_SEEDS
+    count: dict[tuple[str, str], int] = {}
+    for r in records:
+        count[(r["setting"], r["variant"])] = count.get((r["setting"], r["variant"]), 0) + 1
+    short = {st for (st, _), n in count.items() if n < seeds}
+    return [r for r in records if r["setting"] not in short]
+
+
+def running(records: list[dict], seeds: int | None = None) -> str:
+    """The settings left out of the map as incomplete, with their records / planned, or ''."""
+    done = {r["setting"] for r in complete(records, seeds)}
+    left: dict[str, int] = {}
+    for r in records:
+        if r["setting"] not in done:
+            left[r["setting"]] = left.get(r["setting"], 0) + 1
+    return "; ".join(f"{row_name(st)} ({n} runs so far)" for st, n in sorted(left.items()))
+
+
 def map_comparisons(records: list[dict], ref: str = "mpo") -> list[dict]:
     """A − X for every setting and baseline X in MAP_BASELINES, paired by seed: comparisons()
     (X − A) with the sign turned, so positive means MPO ahead; Holm over all of the map's cells
     (one family: a larger one than each study's page table, so its Holm p are larger)."""
     regimes = [r for r, _ in MAP_REGIMES]
-    keep = [r for r in records if r["regime"] in regimes and r["variant"] in (ref, *MAP_BASELINES)]
+    keep = [r for r in complete(records) if r["regime"] in regimes
+            and r["variant"] in (ref, *MAP_BASELINES)]
     comps = comparisons(keep, ref)
     for c in comps:
         c["mean"], c["t"] = -c["mean"], -c["t"]
@@ -1104,7 +1129,8 @@ def critic_gates(records: list[dict], setting: str, variant: str = "mpo") -> dic
 def map_rows(records: list[dict]) -> list[tuple[str, str, int]]:
     """(setting, regime, L) of the map's rows: regimes in MAP_REGIMES' order, L ascending."""
     order = [r for r, _ in MAP_REGIMES]
-    rows = {(r["setting"], r["regime"], r["turn_len"]) for r in records if r["regime"] in order}
+    rows = {(r["setting"], r["regime"], r["turn_len"]) for r in complete(records)
+            if r["regime"] in order}
     return sorted(rows, key=lambda row: (order.index(row[1]), row[2]))
 
 
@@ -1151,6 +1177,8 @@ def map_table(records: list[dict], ref: str = "mpo", compact: bool = False) -> s
                   f"{n - wins - losses} ties. B: MPO with token-level IS; C: MPO with β = 0 "
                   "(ablations). The critic columns: A's trained critic on 128 fresh episodes (mean "
                   "over seeds); streaming: on the logical turns."]
+    if left := running(records):
+        lines[-1] += f" Not in the map until all their seeds are in: {left}."
     return "\n".join(lines).replace("+0.0 ±", "0.0 ±") + "\n"
 
 

@@ -547,7 +547,8 @@ def map_hand_records() -> list[dict]:
     return out
 
 
-def test_the_map_turns_the_sign_and_names_wins_losses_and_ties():
+def test_the_map_turns_the_sign_and_names_wins_losses_and_ties(monkeypatch):
+    monkeypatch.setattr(grid, "MAP_SEEDS", 3)                 # the hand records' seeds
     comps = {c["variant"]: c for c in grid.map_comparisons(map_hand_records())}
     assert set(comps) == {"ppo", "grpo", "vapo"}          # not "weird", not the v1 regime
     # A − X: ppo's X − A was +0.2 (tie: p 0.074 before Holm), grpo +0.3, vapo −0.3 (t = ±52)
@@ -588,3 +589,17 @@ def test_the_map_refuses_a_corrupted_record(tmp_path):
     path.write_text(json.dumps({"info": {}, "runs": bad}))
     with pytest.raises((ValueError, SystemExit), match="order|duplicat"):
         grid.map_records([path])
+
+
+def test_the_map_leaves_out_a_setting_until_its_grid_is_complete(monkeypatch):
+    monkeypatch.setattr(grid, "MAP_SEEDS", 3)
+    records = map_hand_records()
+    extra = [{**r, "setting": "v2-L16", "turn_len": 16} for r in records
+             if r["setting"] == "v2-L8" and r["seed"] < 2]           # 2 of 3 seeds so far
+    md = grid.map_table(records + extra)
+    assert "| L = 16 |" not in md and "| no verdict (v2) | 16 |" not in md
+    assert "Not in the map until all their seeds are in: L = 16 (10 runs so far)" in md
+    full = grid.complete(records + extra, seeds=3)
+    assert {r["setting"] for r in full} == {"v2-L8", "v1-L8"}
+    assert grid.complete(records + extra, seeds=2) == records + extra
+    assert grid.running(records) == ""
