@@ -387,10 +387,9 @@ def fit(args, extra: list[str]) -> None:
     print(f"[fit] {args.name}: {len(train)} training / {len(held)} held-out episodes; {design}; "
           f"{record['trained_params']:,} trained parameters; reference (linear, 3 features) "
           f"held-out EV at turn starts {record['reference']['ev_turn_start_held']:.3f}")
-    split, dtype = cfg.lora_layers, compute_dtype_name(model)
-    st_train = lower_states(model, train, cfg, device, pad,
-                            out / f"lower-top{split}-{dtype}-train.pt")
-    st_held = lower_states(model, held, cfg, device, pad, out / f"lower-top{split}-{dtype}-held.pt")
+    cache = out / f"lower-top{cfg.lora_layers}-{compute_dtype_name(model)}"
+    st_train = lower_states(model, train, cfg, device, pad, cache.with_name(cache.name + "-train.pt"))
+    st_held = lower_states(model, held, cfg, device, pad, cache.with_name(cache.name + "-held.pt"))
     t0 = time.time()
     for epoch in range(args.epochs + 1):
         if epoch:                                               # epoch 0: before any update
