@@ -256,3 +256,33 @@ def test_lower_states_are_cached_per_split_and_recomputed_for_other_episodes(tin
     other[0]["reward"] = 0.5                                   # different episodes: recomputed
     co.lower_states(model, other, cfg, torch.device("cpu"), tok.pad_token_id, cache)
     assert calls
+
+
+def test_fit_runs_end_to_end_writes_its_record_and_caches_the_frozen_layers(
+        tiny, tmp_path, monkeypatch):
+    """The whole `fit` command on the tiny model (setup() is the only piece replaced: the real
+    one loads the warm-started SmolLM2)."""
+    import train_min
+    path, base = tiny
+    eps = toy_episodes(10)
+    for e in eps:
+        e["position"] = e["q"] = eps.index(e)
+    (tmp_path / "episodes").mkdir()
+    with gzip.open(tmp_path / "episodes" / "q0000.jsonl.gz", "wt") as f:
+        f.writelines(json.dumps(e) + "\n" for e in eps)
+
+    def tiny_setup(extra, seed, out):
+        cfg = train_min.parse_config(["--preset", "tiny", "--model", path, "--out_dir",
+                                      str(base / "u"), "--load_in_4bit", "false", *extra])
+        tok, model, head = train_min.load_model(cfg, torch.device("cpu"))
+        return cfg, torch.device("cpu"), None, tok, model, head
+    monkeypatch.setattr(co, "setup", tiny_setup)
+    monkeypatch.setattr(co, "RESULTS", tmp_path / "results")
+    co.main(["fit", "--out", str(tmp_path), "--name", "t", "--epochs", "1", "--target", "turn",
+             "--value_clip", "0.2", "--passes", "2", "--", "--lora_layers", "1"])
+    record = json.loads((tmp_path / "results" / "fit_t.json").read_text())
+    assert [row["epoch"] for row in record["per_epoch"]] == [0, 1]
+    assert record["design"]["target"] == "turn" and record["n_train"] == 8
+    assert record["n_held"] == 2 and record["lora_layers"] == 1
+    assert sorted(p.name for p in tmp_path.glob("lower-top1-*.pt")) == [
+        "lower-top1-float32-held.pt", "lower-top1-float32-train.pt"]
