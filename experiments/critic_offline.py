@@ -531,7 +531,7 @@ def design_of(r: dict) -> str:
     d = r.get("design") or {"target": "token", "value_clip": 0.0, "passes": 1, "head": "linear",
                             "features": "last", "separate": False}
     body = (f"separate top {r['lora_layers']}" if d["separate"]
-            else f"LoRA r{r.get('lora_r', 8)} top {r['lora_layers']}")
+            else f"LoRA r{r.get('lora_r', 16)} top {r['lora_layers']}")
     return (f"{body}, {d['head']} head on {d['features']}, target {d['target']}, clip "
             f"{d['value_clip'] or 'none'}, {d['passes']} pass{'es' if d['passes'] > 1 else ''}")
 

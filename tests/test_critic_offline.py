@@ -95,7 +95,7 @@ def test_report_reads_each_fit_record(tmp_path, monkeypatch):
     text = co.report(None, [])
     # the pass mark reads the last epoch (0.09: fail, though epoch 1 had 0.12), and the probe's
     # CV-chosen layer (0: fail, though layer 2 does better on the held-out questions)
-    assert ("| top8 | LoRA r8 top 8, linear head on last, target token, clip none, 1 pass | – | 2 "
+    assert ("| top8 | LoRA r16 top 8, linear head on last, target token, clip none, 1 pass | – | 2 "
             "| +0.090 fail | +0.120 (1) | +0.020 | +0.600 | +0.210 |") in text
     assert ("| turn | LoRA r8 top 8, mlp head on concat4, target turn, clip 0.2, 2 passes | 1234 "
             "| 2 | +0.110 **pass** | +0.110 (2) |") in text
