@@ -439,6 +439,23 @@ def turn_start_features(model, eps, cfg, device, pad_id, layers: list[int]) -> l
     return out
 
 
+def cached_turn_features(model, eps, cfg, device, pad_id, layer: int, path: Path) -> list[dict]:
+    """turn_start_features for one layer, read from / written to `path` when the episodes match
+    (the trainer-schedule check of `head` reruns in seconds once the forward pass is cached)."""
+    key = {"layer": layer, "dtype": compute_dtype_name(model),
+           "lengths": [len(e["ids"]) for e in eps], "rewards": [e["reward"] for e in eps]}
+    if path.exists():
+        saved = torch.load(path)
+        if saved["key"] == key:
+            print(f"[head] layer {layer} features read from {path}")
+            return saved["rows"]
+    rows = turn_start_features(model, eps, cfg, device, pad_id, [layer])
+    tmp = path.with_suffix(".tmp")
+    torch.save({"key": key, "rows": rows}, tmp)
+    tmp.rename(path)                                        # whole files only
+    return rows
+
+
 def ridge_fit(x: torch.Tensor, y: torch.Tensor, lam: float):
     """w, b of min ‖x w + b − y‖² + lam ‖w‖² on standardised x (float64); returns a predictor."""
     mu, sd = x.mean(0), x.std(0).clamp(min=1e-6)
