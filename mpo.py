@@ -601,6 +601,54 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     return 0.5 * _masked(err, act, dtype).sum() / n.clamp(min=1)
 
 
+# --- A turn-boundary critic (§12): values at turn starts only --------------------------------
+def turn_start_positions(turn_ids: torch.Tensor, num_turns: int | None = None, *,
+                         validate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where a turn-boundary critic is read and trained: each turn's first token.
+
+    V_{t,1} is the value of the prefix before that token (it ends with the observation), the only
+    value turn GAE needs: δ^turn_t telescopes to Σ_i r_{t,i} + V_{t+1,1} − V_{t,1} (M2).
+    Args: turn_ids (B, T) int64; num_turns K >= the most turns of any row (None: read back).
+    Returns: positions (B, K) int64 (0 where row b has no turn k) and turn_mask (B, K) bool.
+    """
+    if validate:
+        K = _check_turn_ids(turn_ids)
+        if num_turns is not None and num_turns < K:
+            raise ValueError(f"num_turns={num_turns} but turn_ids holds {K} turns")
+    K = _num_turns(turn_ids) if num_turns is None else num_turns
+    B, T = turn_ids.shape
+    starts = _turn_starts(turn_ids)                                           # (B, T)
+    pos = torch.arange(T, device=turn_ids.device).expand(B, T)
+    idx = torch.where(starts, turn_ids, K)                                   # others -> spare
+    out = torch.zeros(B, K + 1, dtype=torch.long, device=turn_ids.device)
+    out = out.scatter_(1, idx, torch.where(starts, pos, 0))[:, :K]           # (B, K)
+    mask = _per_turn_sum(starts.long(), turn_ids, K) > 0                      # (B, K)
+    return out, mask
+
+
+def spread_turn_values(values_turn: torch.Tensor, turn_ids: torch.Tensor, *,
+                       validate: bool = True) -> torch.Tensor:
+    """A turn-boundary critic's V_{t,1} (B, K) on every token of turn t (B, T), 0 off turns: the
+    `values` it hands `mpo_advantages`.
+
+    With them (M1)'s δ_{t,i} vanish inside a turn and the turn's last token carries δ^turn_t, so
+    (M2)-(M3) give exactly the turn GAE of these values, while (M4) becomes the fixed profile
+    λ_intra^(L_t − i) δ^turn_t, a function of the position alone: Eq. (20) with β > 0 would move
+    credit toward each turn's end whatever its tokens did. Use β = 0 (train_min's --critic turn
+    refuses β > 0). The critic's target is then the turn λ-return V_{t,1} + A^turn_t, the
+    `returns` of `mpo_advantages(..., beta=0, critic_target="mae")` (the λ_intra-return of
+    "lambda_return" would shrink it by λ_intra^(L_t − 1) at a turn's start).
+    """
+    if validate:
+        K = _check_turn_ids(turn_ids)
+        _check_tensor("values_turn", values_turn)
+        if values_turn.shape[0] != turn_ids.shape[0] or values_turn.shape[1] < K:
+            raise ValueError(f"values_turn must have shape ({turn_ids.shape[0]}, >= {K}), "
+                             f"got {tuple(values_turn.shape)}")
+        _check_float("values_turn", values_turn)
+    return _gather_turn(values_turn, turn_ids)                               # (B, T)
+
+
 # --- Baselines: (B1) PPO token GAE and VAPO's variant, (B2) GRPO; (B3) GSPO in policy_loss ---
 def _validate_action_mask(rewards, values, action_mask) -> None:
     turn_ids_from_mask(action_mask)                                            # checks the mask

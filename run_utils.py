@@ -171,6 +171,21 @@ def check_config(cfg) -> None:
     if cfg.critic_warmup_steps >= cfg.steps and not cfg.eval_only:
         raise ConfigError(f"--critic_warmup_steps {cfg.critic_warmup_steps} leaves no policy "
                           f"update in --steps {cfg.steps}: lower it or raise --steps")
+    if cfg.critic == "turn" and not cfg.uses_critic:
+        raise ConfigError(f"--critic turn: --variant {cfg.variant} has no critic; use "
+                          "--variant mpo_beta0 (MPO with β = 0)")
+    if cfg.critic == "turn" and cfg.variant not in ("mpo", "mpo_token_is", "mpo_beta0"):
+        raise ConfigError(f"--critic turn gives values at turn starts only; --variant "
+                          f"{cfg.variant}'s token GAE needs one at every token: use --critic "
+                          "token, or --variant mpo_beta0 (MPO with β = 0)")
+    if cfg.critic == "turn" and cfg.beta != 0:
+        raise ConfigError(f"--critic turn with --beta {cfg.beta}: a turn critic's intra-turn "
+                          "residuals are 0 but at each turn's end, so Eq. (20) would move credit "
+                          "by position alone: use --variant mpo_beta0 or --beta 0 "
+                          "(docs/api.md#spread_turn_values)")
+    if cfg.critic_layer < 0:
+        raise ConfigError(f"--critic_layer must be >= 0 (0: the middle layer), got "
+                          f"{cfg.critic_layer}")
     if cfg.checkpoint and not cfg.eval_only:
         raise ConfigError("--checkpoint is read only by --eval_only: add --eval_only, or continue "
                           "a run with --resume --out_dir RUN")
@@ -388,6 +403,69 @@ def load_tokenizer(path: str):
     return tok
 
 
+# --- the model's inputs and outputs (train_min): chat-template ids, log-prob chunks, micro-batches
+# Memory: the vocabulary projection of N action tokens is an (N, V) float32 tensor, and softmax
+# keeps a second one for backward: at micro-batch 4 x 480 action tokens and V = 151,936 that is
+# 2.3 GB, plus as much again in backward. Projecting LOGPROB_CHUNK rows at a time and recomputing
+# each chunk in backward (torch.utils.checkpoint) keeps one (256, V) chunk alive: ~0.16 GB each.
+LOGPROB_CHUNK = 256
+
+
+def chunk_logprobs(lm_head, h, targets, temperature: float, n_vocab: int):
+    """log π(target | h) for rows h (n, H) over all V logit columns, ids >= n_vocab masked out,
+    and the rows' summed entropy (a diagnostic: no gradient)."""
+    logits = lm_head(h).float() / temperature                                  # (n, V)
+    if n_vocab < logits.shape[-1]:
+        logits[:, n_vocab:] = float("-inf")
+    logp_all = torch.log_softmax(logits, dim=-1)                               # (n, V)
+    with torch.no_grad():
+        entropy = torch.special.entr(logp_all.exp()).sum()                    # Σ −p log p
+    return logp_all.gather(1, targets[:, None]).squeeze(1), entropy            # (n,), ()
+
+
+
+def render_ids(tok, messages, enable_thinking: bool = False) -> list[int]:
+    """The prompt's token ids through the chat template, ending with the assistant header."""
+    return list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                        return_dict=False, enable_thinking=enable_thinking))
+
+
+def observation_ids(tok, messages, observation: str, last_action_id: int,
+                    enable_thinking: bool = False) -> list[int]:
+    """Token ids between an assistant turn and the next: end of turn, the user message holding the
+    observation, and the assistant header, exactly as the chat template renders them. Rendered
+    around a placeholder for the assistant's text, so the sampled ids are never decoded and
+    re-encoded (that shifts token boundaries): only the template text after them is tokenised."""
+    placeholder = "\ue000MPO\ue000"      # private-use characters: in no chat template
+    chat = messages + [{"role": "assistant", "content": placeholder},
+                       {"role": "user", "content": observation}]
+    text = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False,
+                                   enable_thinking=enable_thinking)
+    ids = tok(text.split(placeholder)[-1], add_special_tokens=False).input_ids
+    if ids and ids[0] == last_action_id:   # the model already emitted the end-of-turn token
+        ids = ids[1:]
+    return ids
+
+
+
+def micro_batches(rows: torch.Tensor, lengths: list[int], cfg) -> list[torch.Tensor]:
+    """Split one minibatch's rows into micro-batches: longest rows first, each micro-batch taking
+    rows while it holds at most --micro_batch_size of them and (rows x its longest row) stays
+    within --micro_batch_tokens; a row longer than the budget goes alone. Compute and memory then
+    follow each micro-batch's own longest row, not the whole batch's."""
+    order = sorted(rows.tolist(), key=lambda i: -lengths[i])
+    out, cur = [], []
+    for i in order:
+        width = lengths[cur[0]] if cur else lengths[i]      # the first (longest) row sets it
+        full = len(cur) == cfg.micro_batch_size or (
+            cfg.micro_batch_tokens and (len(cur) + 1) * width > cfg.micro_batch_tokens)
+        if cur and full:
+            out.append(torch.tensor(cur))
+            cur = []
+        cur.append(i)
+    return out + [torch.tensor(cur)] if cur else out
+
+
 # --- seeding, RNG states and checkpoints -------------------------------------------------------
 
 def seed_everything(seed: int) -> None:
@@ -413,8 +491,7 @@ def set_rng_state(state: dict) -> None:
 
 
 CHECKPOINT_FILES = ("adapters/policy/adapter_model.safetensors",   # the files of one checkpoint
-                    "adapters/critic/adapter_model.safetensors", "value_head.safetensors",
-                    "trainer_state.pt", "state.json")
+                    "value_head.safetensors", "trainer_state.pt", "state.json")   # (+ critic's)
 
 
 def save_checkpoint(out: Path, model, value_head, opt, state: dict) -> Path:
@@ -425,7 +502,7 @@ def save_checkpoint(out: Path, model, value_head, opt, state: dict) -> Path:
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    model.save_pretrained(tmp / "adapters", selected_adapters=["policy", "critic"])
+    model.save_pretrained(tmp / "adapters", selected_adapters=list(model.peft_config))
     save_file(value_head.state_dict(), tmp / "value_head.safetensors")
     torch.save({"optimizer": opt.state_dict(), "rng": rng_state()}, tmp / "trainer_state.pt")
     (tmp / "state.json").write_text(json.dumps(state, indent=1))
@@ -442,7 +519,10 @@ def load_checkpoint(ckpt: Path, model, value_head, opt, restore_rng: bool = True
     from peft.utils import load_peft_weights
     from safetensors.torch import load_file
     state = checkpoint_state(ckpt)      # raises ValueError naming what is missing or wrong
-    for name in ("policy", "critic"):
+    for name in model.peft_config:      # "policy", and "critic" unless --critic turn
+        if not (ckpt / "adapters" / name / "adapter_model.safetensors").exists():
+            raise ValueError(f"checkpoint {ckpt} is incomplete, missing: adapters/{name}/"
+                             "adapter_model.safetensors")
         weights = load_peft_weights(str(ckpt / "adapters" / name))
         set_peft_model_state_dict(model, weights, adapter_name=name)
     value_head.load_state_dict(load_file(ckpt / "value_head.safetensors"))

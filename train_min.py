@@ -12,26 +12,23 @@ with MPO on one 24 GB GPU, with its ablations and baselines.
 
 What runs: a frozen base model in 4-bit NF4 (bitsandbytes) carrying two LoRA adapters, "policy"
 and "critic", plus a value head on the critic's last hidden state: the paper's token-level
-critic without a second model in memory. Each step samples `questions_per_step` questions x
+critic without a second model in memory (--critic turn: §12's turn-boundary critic, a head on a
+frozen middle layer, no critic adapter). Each step samples `questions_per_step` questions x
 `n_rollouts` multi-turn episodes (<search>…</search> → <information>…</information> → …
 → <answer>…</answer>) in batched `generate` calls, computes MPO advantages with mpo.py, and
 runs PPO-style epochs over the batch. Expected (§10): A > B > C in validation pass@1. A run ends
-with a summary: validation pass@1 first -> last and best, its folder, the command to plot it.
+with a summary of validation pass@1 (first -> last, best), its folder and a plot command.
 
-Measured on a shared 2-core CPU: `--preset tiny` about 40 s from a cold cache (its model's build
-and warm start included), 10 s once cached; `--preset smol` about 13 min for 20 steps alone on
-the machine, 30 or more beside other jobs (docs/smol.md). On one H200 under --memory_cap_gb 24
-(2026-12-04, commit 24f0c8f, before issue 38's bf16 activations; random weights of the real
-shapes, every turn and episode at its cap: upper bounds; docs/reproduction.md), Qwen2.5-1.5B
-setting A peaks at 16.4 GB allocated (19.3 GB reserved) in the rollout and takes 79 s a step
-(rollout 52.7 s, scoring 5.6 s, update 20.8 s); Qwen3-4B's rollout takes 18.8 GB (23.9 GB
-reserved) and 139 s, its update not reached. NOT measured: the current code on a GPU, a trained
-model's step time, the 150-step wall time and validation pass@1 of A, B and C (no GPU training
-run so far).
+On a shared 2-core CPU: `--preset tiny` about 40 s cold, 10 s cached; `--preset smol` about
+13 min for 20 steps alone on the machine (docs/smol.md). On one H200 under
+--memory_cap_gb 24 (commit 24f0c8f, before bf16 activations; random weights of the real shapes,
+every turn at its cap: upper bounds; docs/reproduction.md), Qwen2.5-1.5B setting A peaks at
+16.4 GB allocated in the rollout and takes 79 s a step; Qwen3-4B's rollout 18.8 GB and 139 s,
+its update not reached. NOT measured: the current code on a GPU, a trained model's step time,
+the 150-step wall time and validation pass@1 of A, B and C (no GPU training run so far).
 
-Sections follow the run order; algorithm lines carry a `# MPO:` tag. Presets live in presets.py,
-the search task's data in search_env.py; run_utils.py holds the plumbing that is not the
-iteration: base-model loading, sampling machinery, checkpoints, metrics, pass@k, the summary.
+Sections follow the run order; algorithm lines carry a `# MPO:` tag. presets.py: the presets;
+search_env.py: the search task; run_utils.py: the plumbing that is not the iteration.
 """
 from __future__ import annotations
 
@@ -49,12 +46,13 @@ import mpo
 import presets
 from search_env import Suite, search_suite
 # run_utils: the plumbing; some names only re-exported (tests and experiments use train_min.X)
-from run_utils import (LORA_TARGETS, ConfigError, MetricsLog, RunLock, StopFlag, check_out_dir,
-                       critic_gates, decoder_layers, episode_stats, eval_config, eval_only,
-                       first_adapted_layer, free_cached, get_peft_model, load_base_model,
-                       load_tokenizer, log_line, parse_with_presets, phase_timer, questions_at,
-                       resume, run_summary, save_checkpoint, seed_everything, setup_device,
-                       start_step, step_metrics, write_outcomes)
+from run_utils import (LOGPROB_CHUNK, LORA_TARGETS, ConfigError, MetricsLog, RunLock, StopFlag,
+                       check_out_dir, chunk_logprobs, critic_gates, decoder_layers, episode_stats,
+                       eval_config, eval_only, first_adapted_layer, free_cached, get_peft_model,
+                       load_base_model, load_tokenizer, log_line, micro_batches, observation_ids,
+                       parse_with_presets, phase_timer, questions_at, render_ids, resume,
+                       run_summary, save_checkpoint, seed_everything, setup_device, start_step,
+                       step_metrics, write_outcomes)
 # sampling: the softmax only (generation_config, checked), where a turn ends (TurnEnd: stop
 # strings, </think>, budgets), generate's own log-probs (TurnRecorder), rows per generate call,
 # the tokenizer's ids only (sampled_vocab), the action after </think> (split_reasoning)
@@ -116,6 +114,11 @@ class Config:
     beta: float = arg(1.00, "β, centred intra-turn correction (§7); mpo_beta0 sets 0")
     critic_target: str = arg("lambda_return", "MPO critic target: lambda_return (measured "
                              "better: docs/equations.md) | mae (V + A^MAE)")
+    critic: str = arg("token", "token: critic adapter + value head, V at every token | turn: "
+                      "§12's turn-boundary critic, V_{t,1} only, a linear head on a frozen layer "
+                      "(MPO, β = 0; target V_{t,1} + A^turn_t; docs/api.md#spread_turn_values)")
+    critic_layer: int = arg(0, "--critic turn: the frozen layer it reads (0: n_layers // 2 + 1, "
+                            "SmolLM2's 16 of 30, the layer the offline probe chose)")
     ppo_lam: float = arg(0.95, "λ of the PPO baseline's token GAE")
     vapo_alpha: float = arg(0.05, "VAPO: policy λ = 1 - 1/(α·l), l = response tokens")
     vapo_value_steps: int = arg(50, "VAPO: first N updates train the critic only (VAPO: 50)")
@@ -175,7 +178,8 @@ class Config:
         for flag, allowed in (("variant", VARIANTS), ("preset", tuple(presets.PRESETS)),
                               ("dataset", ("synthetic", "hotpotqa", "testbed")),
                               ("dtype", ("auto", "bfloat16", "float32")),
-                              ("critic_target", mpo.CRITIC_TARGETS)):
+                              ("critic_target", mpo.CRITIC_TARGETS),
+                              ("critic", ("token", "turn"))):
             if getattr(self, flag) not in allowed:
                 raise ValueError(f"--{flag} must be one of {allowed}, got {getattr(self, flag)!r}")
         if self.variant == "mpo_beta0":
@@ -216,8 +220,37 @@ class ValueHead(nn.Module):
         return self.linear(h.float()).squeeze(-1)                              # (B, T)
 
 
+class TurnValueHead(nn.Module):
+    """--critic turn (§12): V_{t,1} from the frozen model's hidden state after `layer` decoder
+    layers at the token before turn t, standardised by the running mean and variance of every
+    turn start seen so far (updated once per batch, kept in checkpoints), then one linear layer,
+    float32, zero-initialised. No adapter: the features are the base model's."""
+
+    def __init__(self, hidden: int, layer: int):
+        super().__init__()
+        self.layer, self.linear = layer, nn.Linear(hidden, 1)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+        for name in ("count", "mean", "m2"):
+            self.register_buffer(name, torch.zeros(() if name == "count" else hidden,
+                                                   dtype=torch.float64))
+
+    @torch.no_grad()
+    def observe(self, x: torch.Tensor) -> None:       # (N, H): Chan et al.'s parallel update
+        n, x = x.shape[0], x.double()
+        if n:
+            total, d = self.count + n, x.mean(0) - self.mean
+            self.m2 += ((x - x.mean(0)) ** 2).sum(0) + d ** 2 * self.count * n / total
+            self.mean += d * n / total
+            self.count.copy_(total)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:                         # (..., H) -> (...)
+        sd = (self.m2 / self.count.clamp(min=1)).sqrt().clamp(min=1e-6)
+        return self.linear(((x.double() - self.mean) / sd).float()).squeeze(-1)
+
+
 def load_model(cfg: Config, device: torch.device):
-    """Tokenizer, the PEFT model (frozen base + "policy" and "critic" adapters), the value head."""
+    """Tokenizer, the PEFT model (frozen base + "policy", "critic" adapters), the value head."""
     from peft import LoraConfig
     # run_utils: the base in the compute dtype (--dtype, auto = bf16 where the chip has it), in
     # NF4 with --load_in_4bit (activations and KV cache stay in the compute dtype), checkpointing
@@ -233,10 +266,15 @@ def load_model(cfg: Config, device: torch.device):
     # peft keeps the adapters' weights in float32 over a bf16 base (autocast_adapter_dtype), so
     # their updates and AdamW state are float32; a layer's LoRA output is cast back to bf16.
     model = get_peft_model(base, lora, adapter_name="policy", autocast_adapter_dtype=True)
-    model.add_adapter("critic", lora)
     model.sampled_vocab = len(tok)      # ids past the tokenizer are never sampled: sampled_vocab
-    value_head = ValueHead(base.config.hidden_size).to(device)
-    return tok, model, value_head
+    if cfg.critic == "turn":            # no critic adapter: a head on a frozen layer
+        layer = cfg.critic_layer or n_layers // 2 + 1
+        if not 1 <= layer <= n_layers:
+            raise ConfigError(f"--critic_layer must be in 1..{n_layers} for {cfg.model}, got "
+                              f"{cfg.critic_layer}")
+        return tok, model, TurnValueHead(base.config.hidden_size, layer).to(device)
+    model.add_adapter("critic", lora)
+    return tok, model, ValueHead(base.config.hidden_size).to(device)
 
 
 def use_adapter(model, name: str) -> None:
@@ -267,25 +305,6 @@ def hidden_states(model, ids, attn, frozen=None) -> torch.Tensor:
         return top(inputs_embeds=frozen, attention_mask=attn, use_cache=False).last_hidden_state
 
 
-# Memory: the vocabulary projection of N action tokens is an (N, V) float32 tensor, and softmax
-# keeps a second one for backward: at micro-batch 4 x 480 action tokens and V = 151,936 that is
-# 2.3 GB, plus as much again in backward. Projecting LOGPROB_CHUNK rows at a time and recomputing
-# each chunk in backward (torch.utils.checkpoint) keeps one (256, V) chunk alive: ~0.16 GB each.
-LOGPROB_CHUNK = 256
-
-
-def chunk_logprobs(lm_head, h, targets, temperature: float, n_vocab: int):
-    """log π(target | h) for rows h (n, H) over all V logit columns, ids >= n_vocab masked out,
-    and the rows' summed entropy (a diagnostic: no gradient)."""
-    logits = lm_head(h).float() / temperature                                  # (n, V)
-    if n_vocab < logits.shape[-1]:
-        logits[:, n_vocab:] = float("-inf")
-    logp_all = torch.log_softmax(logits, dim=-1)                               # (n, V)
-    with torch.no_grad():
-        entropy = torch.special.entr(logp_all.exp()).sum()                    # Σ −p log p
-    return logp_all.gather(1, targets[:, None]).squeeze(1), entropy            # (n,), ()
-
-
 def token_logprobs(model, ids, attn, act, temperature: float = 1.0, frozen=None):
     """log π(token p | prefix) at action positions (0 elsewhere) and the mean entropy there.
     Logits at p − 1 predict token p, so an action token's log-prob comes from the previous
@@ -307,6 +326,17 @@ def token_logprobs(model, ids, attn, act, temperature: float = 1.0, frozen=None)
     out = torch.zeros(ids.shape, dtype=lp.dtype, device=ids.device)
     out[:, 1:] = out[:, 1:].masked_scatter(sel, lp)
     return out, entropy                                                        # (B, T), ()
+
+
+@torch.no_grad()
+def turn_features(model, ids, attn, turn_ids, layer: int, num_turns: int) -> torch.Tensor:
+    """--critic turn: the frozen model's hidden state after `layer` decoder layers at the token
+    before each turn (where V_{t,1} is read), (B, K, H); 0 where a row has no turn k."""
+    pos, mask = mpo.turn_start_positions(turn_ids, num_turns, validate=False)   # (B, K)
+    with model.disable_adapter(), decoder_layers(model, 0, layer) as lower:
+        h = lower(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state
+    x = h.gather(1, (pos - 1).clamp(min=0)[..., None].expand(-1, -1, h.shape[-1]))
+    return x * mask[..., None]                                                 # (B, K, H)
 
 
 def token_values(model, value_head, ids, attn, frozen=None):
@@ -337,29 +367,6 @@ class Trajectory:
     @property
     def n_turns(self) -> int:
         return max(self.turn_ids) + 1 if self.turn_ids else 0
-
-
-def render_ids(tok, messages, enable_thinking: bool = False) -> list[int]:
-    """The prompt's token ids through the chat template, ending with the assistant header."""
-    return list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                        return_dict=False, enable_thinking=enable_thinking))
-
-
-def observation_ids(tok, messages, observation: str, last_action_id: int,
-                    enable_thinking: bool = False) -> list[int]:
-    """Token ids between an assistant turn and the next: end of turn, the user message holding the
-    observation, and the assistant header, exactly as the chat template renders them. Rendered
-    around a placeholder for the assistant's text, so the sampled ids are never decoded and
-    re-encoded (that shifts token boundaries): only the template text after them is tokenised."""
-    placeholder = "\ue000MPO\ue000"      # private-use characters: in no chat template
-    chat = messages + [{"role": "assistant", "content": placeholder},
-                       {"role": "user", "content": observation}]
-    text = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False,
-                                   enable_thinking=enable_thinking)
-    ids = tok(text.split(placeholder)[-1], add_special_tokens=False).input_ids
-    if ids and ids[0] == last_action_id:   # the model already emitted the end-of-turn token
-        ids = ids[1:]
-    return ids
 
 
 @torch.no_grad()
@@ -474,25 +481,7 @@ def collate(trajs: list[Trajectory], pad_id: int, device) -> dict[str, torch.Ten
             "groups": torch.tensor([t.group for t in trajs], device=device)}
 
 
-# --- Micro-batches: formed by a token budget, padded to their own longest row ------------------
-def micro_batches(rows: torch.Tensor, lengths: list[int], cfg: Config) -> list[torch.Tensor]:
-    """Split one minibatch's rows into micro-batches: longest rows first, each micro-batch taking
-    rows while it holds at most --micro_batch_size of them and (rows x its longest row) stays
-    within --micro_batch_tokens; a row longer than the budget goes alone. Compute and memory then
-    follow each micro-batch's own longest row, not the whole batch's."""
-    order = sorted(rows.tolist(), key=lambda i: -lengths[i])
-    out, cur = [], []
-    for i in order:
-        width = lengths[cur[0]] if cur else lengths[i]      # the first (longest) row sets it
-        full = len(cur) == cfg.micro_batch_size or (
-            cfg.micro_batch_tokens and (len(cur) + 1) * width > cfg.micro_batch_tokens)
-        if cur and full:
-            out.append(torch.tensor(cur))
-            cur = []
-        cur.append(i)
-    return out + [torch.tensor(cur)] if cur else out
-
-
+# --- Minibatches of micro-batches (run_utils.micro_batches: by a token budget) ----------------
 def minibatch_plan(batch, cfg: Config) -> list[list[torch.Tensor]]:
     """A random split of the batch's rows into --minibatches minibatches, each a list of
     micro-batches (row indices). Scoring and the first epoch use the same plan, so every row is
@@ -522,7 +511,9 @@ def score_batch(model, value_head, batch, cfg: Config) -> None:
     shape = batch["ids"].shape
     old_logp, values = torch.zeros(shape, device=batch["ids"].device), None     # (B, T)
     ref_logp = torch.zeros_like(old_logp) if cfg.kl_coef > 0 else None
-    batch["frozen"] = None
+    batch["frozen"], K = None, int(batch["turn_ids"].max()) + 1
+    if cfg.critic == "turn":            # the frozen state before each turn: (B, K, H)
+        batch["turn_x"] = old_logp.new_zeros(shape[0], K, model.config.hidden_size)
     for micro in (m for mb in batch["plan"] for m in mb):
         ids, attn, tid, _ = micro_inputs(batch, micro)
         width = ids.shape[1]
@@ -534,7 +525,9 @@ def score_batch(model, value_head, batch, cfg: Config) -> None:
         use_adapter(model, "policy")
         old_logp[micro, :width] = token_logprobs(model, ids, attn, tid >= 0, cfg.temperature,
                                                  h)[0]
-        if cfg.uses_critic:
+        if cfg.critic == "turn":
+            batch["turn_x"][micro] = turn_features(model, ids, attn, tid, value_head.layer, K)
+        elif cfg.uses_critic:
             use_adapter(model, "critic")
             v = token_values(model, value_head, ids, attn, h)                   # (m, w)
             if values is None:
@@ -544,6 +537,9 @@ def score_batch(model, value_head, batch, cfg: Config) -> None:
             with model.disable_adapter():
                 ref_logp[micro, :width] = token_logprobs(model, ids, attn, tid >= 0,
                                                          cfg.temperature, h)[0]
+    if cfg.critic == "turn":            # §12: V_{t,1} on every token of turn t
+        value_head.observe(batch["turn_x"][mpo.turn_start_positions(batch["turn_ids"], K)[1]])
+        values = mpo.spread_turn_values(value_head(batch["turn_x"]), batch["turn_ids"])
     batch["old_logp"] = old_logp
     batch["values"] = values if values is not None else torch.zeros_like(old_logp)
     if ref_logp is not None:
@@ -556,8 +552,9 @@ def compute_advantages(batch, cfg: Config) -> None:
     rewards = mpo.outcome_rewards(scores, turn_ids)               # (B, T): R(τ) on the last token
     if cfg.variant in ("mpo", "mpo_token_is", "mpo_beta0"):          # MPO: Eq. (20) advantages
         adv, ret = mpo.mpo_advantages(rewards, values, turn_ids, lam=cfg.lam,
-                                      lam_intra=cfg.lam_intra, beta=cfg.beta,
-                                      critic_target=cfg.critic_target)
+                                      lam_intra=cfg.lam_intra, beta=cfg.beta,  # turn: λ-return
+                                      critic_target="mae" if cfg.critic == "turn" else
+                                      cfg.critic_target)
     elif cfg.variant == "vapo":                     # VAPO: critic λ = 1, policy λ length-adaptive
         adv, ret = mpo.vapo_advantages(rewards, values, turn_ids >= 0, alpha=cfg.vapo_alpha)
     elif cfg.variant == "sao":                      # SAO: VAPO's estimator at α = 1.5
@@ -578,9 +575,10 @@ def ratio_level(cfg: Config) -> str:                                          # 
 def make_optimizer(model, value_head, cfg: Config):
     named = list(model.named_parameters())
     groups = [{"params": [p for n, p in named if ".policy." in n], "lr": cfg.lr_policy}]
+    if cfg.critic == "token" and cfg.uses_critic:
+        groups += [{"params": [p for n, p in named if ".critic." in n], "lr": cfg.lr_critic}]
     if cfg.uses_critic:
-        groups += [{"params": [p for n, p in named if ".critic." in n], "lr": cfg.lr_critic},
-                   {"params": list(value_head.parameters()), "lr": cfg.lr_value_head}]
+        groups += [{"params": list(value_head.parameters()), "lr": cfg.lr_value_head}]
     return torch.optim.AdamW(groups, weight_decay=0.0)
 
 
@@ -612,13 +610,19 @@ def policy_backward(model, batch, micro, n_tok, clip: tuple[float, float], cfg: 
 
 
 def critic_backward(model, value_head, batch, micro, n_tok, cfg: Config) -> dict:
-    """The critic loss of one micro-batch, backward into the critic adapter and value head."""
+    """The critic loss of one micro-batch, backward into the critic adapter and value head (or,
+    --critic turn, the head alone: one row per turn, `n_tok` the minibatch's turns)."""
     ids, attn, tid, h = micro_inputs(batch, micro)
-    width = ids.shape[1]
-    use_adapter(model, "critic")
-    v = token_values(model, value_head, ids, attn, h)                          # (m, w)
-    loss_v = mpo.value_loss(v, batch["values"][micro, :width], batch["returns"][micro, :width],
-                            tid, clip=cfg.value_clip or None, num_tokens=n_tok, validate=False)
+    old, ret = batch["values"][micro, :ids.shape[1]], batch["returns"][micro, :ids.shape[1]]
+    if cfg.critic == "turn":            # §12: V_{t,1} against V_{t,1} + A^turn_t, turn starts only
+        pos, mask = mpo.turn_start_positions(tid, batch["turn_x"].shape[1], validate=False)
+        v, old, ret = value_head(batch["turn_x"][micro]), old.gather(1, pos), ret.gather(1, pos)
+        tid = torch.where(mask, torch.arange(mask.shape[1]).expand_as(mask), -1)  # a token a turn
+    else:
+        use_adapter(model, "critic")
+        v = token_values(model, value_head, ids, attn, h)                      # (m, w)
+    loss_v = mpo.value_loss(v, old, ret, tid, clip=cfg.value_clip or None, num_tokens=n_tok,
+                            validate=False)
     (cfg.vf_coef * loss_v).backward()
     return {"value_loss": loss_v.detach()}
 
@@ -654,8 +658,10 @@ def update(model, value_head, opt, batch, cfg: Config) -> dict[str, float]:
                 part = {}
                 if policy_now:            # MPO: turn ratio; backward before the critic's pass
                     part.update(policy_backward(model, batch, micro, n_tok, (eps, eps_high), cfg))
-                if critic_now:
-                    part.update(critic_backward(model, value_head, batch, micro, n_tok, cfg))
+                if critic_now:            # the turn critic's mean: over the minibatch's turns
+                    n_v = n_tok if cfg.critic == "token" else sum(
+                        (batch["turn_ids"][m].amax(1) + 1).sum() for m in mb)
+                    part.update(critic_backward(model, value_head, batch, micro, n_v, cfg))
                 # per-micro-batch means (clip fraction, entropy) count by their share of tokens
                 token_share = float(act[micro].sum()) / max(float(n_tok), 1.0)
                 for name, value in part.items():

@@ -524,6 +524,120 @@ def probe(args, extra: list[str]) -> dict:
     return record
 
 
+# --- the trainer's turn critic, replayed (issue 41, part 2) -----------------------------------
+HEAD_RATES = (1e-4, 3e-4, 1e-3, 3e-3)     # the value head's rate, chosen by 5-fold CV
+
+
+def replay_head(rows: list[dict], cfg, lr: float, steps: int, seed: int):
+    """train_min's --critic turn as the trainer trains it, on cached features: `steps` batches of
+    questions_per_step x n_rollouts episodes (in an order shuffled with `seed`); each batch's
+    turn starts update the running standardisation, then ppo_epochs x minibatches AdamW steps on
+    mpo.value_loss over a minibatch's turn starts (clipped at --value_clip against the batch's
+    values after `observe`, gradient norm clipped at --critic_max_grad_norm), as critic_backward
+    does; the target is R(τ). Returns the head."""
+    import mpo
+    import train_min
+    torch.manual_seed(seed)
+    head = train_min.TurnValueHead(rows[0]["x"].shape[-1], layer=0)
+    opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.0)
+    per_step = cfg.questions_per_step * cfg.n_rollouts
+    order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed)).tolist()
+    for s in range(steps):
+        batch = [rows[i] for i in order[s * per_step:(s + 1) * per_step]]
+        if not batch:
+            break
+        head.observe(torch.cat([r["x"][0] for r in batch]))
+        with torch.no_grad():
+            old = [head(r["x"][0]) for r in batch]                 # V at scoring, per episode
+        for _ in range(cfg.ppo_epochs):
+            for mb in torch.randperm(len(batch)).chunk(cfg.minibatches):
+                x = torch.cat([batch[i]["x"][0] for i in mb.tolist()])             # (n, H)
+                v_old = torch.cat([old[i] for i in mb.tolist()])
+                R = torch.cat([torch.full((batch[i]["x"].shape[1],), float(batch[i]["R"]))
+                               for i in mb.tolist()])
+                tid = torch.arange(len(R))[None]                   # one token per turn
+                loss = mpo.value_loss(head(x)[None], v_old[None], R[None], tid,
+                                      clip=cfg.value_clip or None)
+                opt.zero_grad()
+                (cfg.vf_coef * loss).backward()
+                torch.nn.utils.clip_grad_norm_(head.parameters(), cfg.critic_max_grad_norm)
+                opt.step()
+    return head
+
+
+def head_scores(head, rows: list[dict]) -> dict:
+    """EV against R(τ) at turn starts and over action tokens (each turn's value on its tokens:
+    weights = the turns' token counts), 1 − Var(R − V) / Var(R) as `ev` and the trainer's gate;
+    and R² = 1 − mean (R − V)² / Var(R) at turn starts, which also counts a constant offset."""
+    with torch.no_grad():
+        v = torch.cat([head(r["x"][0]) for r in rows]).double()
+    y = torch.cat([torch.full((r["x"].shape[1],), float(r["R"])) for r in rows]).double()
+    n = torch.cat([r["tokens"] for r in rows]).double()
+
+    def wvar(x):
+        return (n * (x - (n * x).sum() / n.sum()) ** 2).sum() / n.sum()
+    return {"ev_turn_start": ev(v, y), "ev_tokens": float(1 - wvar(y - v) / wvar(y)),
+            "r2_turn_start": float(1 - ((y - v) ** 2).mean() / y.var(unbiased=False)),
+            "sd_v": float(v.std())}
+
+
+def head(args, extra: list[str]) -> dict:
+    """The part-2 check fixed in design.md: the trainer's turn critic replayed on the training
+    episodes in smol_hops' schedule (--steps batches), its rate chosen by 5-fold CV over
+    training questions; held-out EV at turn starts against the pass mark."""
+    out = Path(args.out)
+    train, held = split(load_episodes(out))
+    cfg, device, suite, tok, model, _ = setup(extra, args.seed, out)
+    n_layers = model.config.num_hidden_layers
+    layer = cfg.critic_layer or n_layers // 2 + 1
+    d = compute_dtype_name(model)
+    feats = {name: cached_turn_features(model, eps, cfg, device, tok.pad_token_id, layer,
+                                        out / f"turnfeat-L{layer}-{d}-{name}.pt")
+             for name, eps in (("train", train), ("held", held))}
+    t0 = time.time()
+    cv = {}
+    for lr in HEAD_RATES:
+        err = 0.0
+        for f in range(5):
+            fold = [r for r in feats["train"] if r["position"] % 5 == f]
+            rest = [r for r in feats["train"] if r["position"] % 5 != f]
+            h = replay_head(rest, cfg, lr, args.steps, args.seed)
+            with torch.no_grad():
+                for r in fold:
+                    err += float(((h(r["x"][0]) - float(r["R"])) ** 2).sum())
+        cv[lr] = err / sum(r["x"].shape[1] for r in feats["train"])
+        print(f"[head] lr {lr:g}: 5-fold CV MSE {cv[lr]:.4f}", flush=True)
+    lr = min(cv, key=cv.get)
+    per_lr = {}
+    for rate in HEAD_RATES:
+        h = replay_head(feats["train"], cfg, rate, args.steps, args.seed)
+        per_lr[str(rate)] = {"held": head_scores(h, feats["held"]),
+                             "train": head_scores(h, feats["train"])}
+    all_steps = -(-len(train) // (cfg.questions_per_step * cfg.n_rollouts))
+    h_all = replay_head(feats["train"], cfg, lr, all_steps, args.seed)
+    chosen = per_lr[str(lr)]
+    ok = chosen["held"]["ev_turn_start"] >= PASS_MARK
+    record = {"name": args.name, "commit": commit(), "flags": extra, "design": "trainer head",
+              "layer": layer, "trained_params": feats["train"][0]["x"].shape[-1] + 1,
+              "steps": args.steps, "episodes_per_step":
+              cfg.questions_per_step * cfg.n_rollouts, "ppo_epochs": cfg.ppo_epochs,
+              "minibatches": cfg.minibatches, "value_clip": cfg.value_clip,
+              "cv_mse": {str(k): v for k, v in cv.items()}, "lr": lr, "pass": ok,
+              "held": chosen["held"], "train": chosen["train"], "per_lr": per_lr,
+              "all_training_episodes": {"steps": all_steps,
+                                        "held": head_scores(h_all, feats["held"])},
+              "n_train": len(train), "n_held": len(held), "cpu": cpu_name(),
+              "seconds": round(time.time() - t0, 1), "reference": reference(train, held, tok)}
+    print(f"[head] layer {layer}, lr {lr:g} (CV): held-out EV turn starts "
+          f"{chosen['held']['ev_turn_start']:+.3f} ({'pass' if ok else 'fail'} at "
+          f"{PASS_MARK:g}), tokens {chosen['held']['ev_tokens']:+.3f}; train "
+          f"{chosen['train']['ev_turn_start']:+.3f}; after all {all_steps} steps "
+          f"{record['all_training_episodes']['held']['ev_turn_start']:+.3f}", flush=True)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"head_{args.name}.json").write_text(json.dumps(record, indent=1))
+    return record
+
+
 def compute_dtype_name(model) -> str:
     return str(next(model.parameters()).dtype).replace("torch.", "")
 
@@ -568,9 +682,14 @@ def report(args, extra: list[str]) -> str:
         best = max(ep, key=lambda row: row["held"]["ev_turn_start"])
         ok = last["held"]["ev_turn_start"] >= PASS_MARK
         train_first = last["train"].get("ev_turn_start")
+        done = len(ep) - 1
+        planned = r.get("epochs", done)       # records before issue 41 ran every epoch
+        stopped = done < planned              # cut short by a session's end: no verdict
+        verdict = (f"stopped after {done} of {planned}" if stopped
+                   else "**pass**" if ok else "fail")
         lines.append(
-            f"| {r['name']} | {design_of(r)} | {r.get('trained_params', '–')} | {len(ep) - 1} | "
-            f"{last['held']['ev_turn_start']:+.3f} {'**pass**' if ok else 'fail'} | "
+            f"| {r['name']} | {design_of(r)} | {r.get('trained_params', '–')} | {done} | "
+            f"{last['held']['ev_turn_start']:+.3f} {verdict} | "
             f"{best['held']['ev_turn_start']:+.3f} ({best['epoch']}) | "
             f"{last['held']['ev_tokens']:+.3f} | "
             f"{'–' if train_first is None else f'{train_first:+.3f}'} | "
@@ -586,6 +705,19 @@ def report(args, extra: list[str]) -> str:
             f"{'**pass**' if ok else 'fail'} | {best['ev_turn_start_held']:+.3f} (layer "
             f"{best['layer']}) | {chosen['ev_tokens_held']:+.3f} | "
             f"{chosen['ev_turn_start_train']:+.3f} | {r['reference']['ev_turn_start_held']:+.3f} |")
+    for path in sorted(RESULTS.glob("head_*.json")):
+        r = json.loads(path.read_text())
+        best = max(r["per_lr"], key=lambda k: r["per_lr"][k]["held"]["ev_turn_start"])
+        lines.append(
+            f"| {r['name']} | the trainer's `--critic turn`: frozen layer {r['layer']}, running "
+            f"standardisation, linear head, lr {r['lr']:g} (5-fold CV), replayed as "
+            f"{r['steps']} steps of {r['episodes_per_step']} episodes ({r['ppo_epochs']} epochs x "
+            f"{r['minibatches']} minibatches), target turn | {r['trained_params']} | "
+            f"{r['steps']} steps | {r['held']['ev_turn_start']:+.3f} "
+            f"{'**pass**' if r['pass'] else 'fail'} | "
+            f"{r['per_lr'][best]['held']['ev_turn_start']:+.3f} (lr {float(best):g}) | "
+            f"{r['held']['ev_tokens']:+.3f} | {r['train']['ev_turn_start']:+.3f} | "
+            f"{r['reference']['ev_turn_start_held']:+.3f} |")
     text = "\n".join(lines) + "\n"
     (RESULTS / "table.md").write_text(text)
     print(text)
@@ -597,12 +729,13 @@ def main(argv=None):
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     ours = argv[:argv.index("--")] if "--" in argv else argv
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("what", choices=["collect", "fit", "probe", "report"])
+    p.add_argument("what", choices=["collect", "fit", "probe", "head", "report"])
     p.add_argument("--out", default=str(OUT), help="episodes folder (default runs/critic-offline)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--questions", type=int, default=160, help="collect: questions (x16)")
     p.add_argument("--n_rollouts", type=int, default=4, help="collect: episodes per question")
-    p.add_argument("--name", default="top8", help="fit: the record's name")
+    p.add_argument("--name", default=None,
+                   help="the record's name (default: fit top8, probe frozen, head turn_critic)")
     p.add_argument("--epochs", type=int, default=6, help="fit: passes over the training episodes")
     p.add_argument("--minibatch", type=int, default=16, help="fit: episodes per optimiser step")
     p.add_argument("--target", choices=["token", "turn"], default="token",
@@ -620,17 +753,21 @@ def main(argv=None):
     p.add_argument("--separate", action="store_true",
                    help="fit: a separate critic, a full trained copy of the top --lora_layers "
                         "layers (trainer flag after --), no adapter")
+    p.add_argument("--steps", type=int, default=24,
+                   help="head: trainer steps to replay (smol_hops: 24)")
     p.add_argument("--layers", type=int, nargs="*", default=None,
                    help="probe: the layers whose frozen states to fit (default: every 2nd)")
     a = p.parse_args(ours)
+    a.name = a.name or {"fit": "top8", "probe": "frozen", "head": "turn_critic"}.get(a.what)
     if a.questions < CHUNK or a.questions % CHUNK:
         p.error(f"--questions must be a positive multiple of {CHUNK}, got {a.questions}")
     if a.value_clip < 0:
         p.error(f"--value_clip must be >= 0, got {a.value_clip}")
-    for name in ("n_rollouts", "epochs", "minibatch", "passes"):
+    for name in ("n_rollouts", "epochs", "minibatch", "passes", "steps"):
         if getattr(a, name) < 1:
             p.error(f"--{name} must be >= 1, got {getattr(a, name)}")
-    return {"collect": collect, "fit": fit, "probe": probe, "report": report}[a.what](a, extra)
+    return {"collect": collect, "fit": fit, "probe": probe, "head": head,
+            "report": report}[a.what](a, extra)
 
 
 if __name__ == "__main__":

@@ -120,6 +120,7 @@ def test_load_episodes_reads_every_chunk_and_names_a_missing_collection(tmp_path
     (["fit", "--passes", "0"], "--passes must be >= 1"),
     (["fit", "--value_clip", "-0.1"], "--value_clip must be >= 0"),
     (["fit", "--target", "step"], "invalid choice"),
+    (["head", "--steps", "0"], "--steps must be >= 1"),
 ])
 def test_bad_flags_stop_before_any_model_loads(argv, message, capsys):
     with pytest.raises(SystemExit):
@@ -286,3 +287,89 @@ def test_fit_runs_end_to_end_writes_its_record_and_caches_the_frozen_layers(
     assert record["n_held"] == 2 and record["lora_layers"] == 1
     assert sorted(p.name for p in tmp_path.glob("lower-top1-*.pt")) == [
         "lower-top1-float32-held.pt", "lower-top1-float32-train.pt"]
+
+
+# --- the trainer's turn critic, replayed (`head`, issue 41 part 2) ------------------------------
+
+def head_rows(n: int, g: torch.Generator, w: torch.Tensor, turns: int = 3) -> list[dict]:
+    """Episodes as cached_turn_features gives them: x (1, turns, H), one state per episode seen
+    at each turn start with a little noise, its scale differing by dimension; R(τ) = 1 when
+    that state's w·z > 0."""
+    rows = []
+    for i in range(n):
+        z = torch.randn(len(w), generator=g)
+        x = (z + 0.1 * torch.randn(1, turns, len(w), generator=g)) * torch.logspace(-1, 1, len(w))
+        rows.append({"x": x + 3, "tokens": torch.full((turns,), 5.0), "R": float(z @ w > 0),
+                     "position": i})
+    return rows
+
+
+def test_replayed_turn_critic_learns_a_readable_outcome_in_the_trainers_schedule():
+    import train_min
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(8, generator=g)
+    train, held = head_rows(384, g, w), head_rows(200, g, w)
+    cfg = train_min.parse_config(["--preset", "smol_hops", "--out_dir", "/tmp/unused"])
+    assert (cfg.questions_per_step * cfg.n_rollouts, cfg.ppo_epochs, cfg.minibatches) == (16, 2, 4)
+    trained = co.replay_head(train, cfg, 3e-3, steps=24, seed=0)
+    assert int(trained.count) == 384 * 3                    # every turn start observed once
+    assert co.head_scores(trained, held)["ev_turn_start"] > 0.3
+    untrained = co.replay_head(train, cfg, 0.0, steps=24, seed=0)
+    assert co.head_scores(untrained, held)["sd_v"] == 0.0   # lr 0: the zero head stays at 0
+
+
+def test_head_runs_end_to_end_chooses_its_rate_by_cv_and_caches_features(
+        tiny, tmp_path, monkeypatch):
+    import train_min
+    path, base = tiny
+    eps = toy_episodes(20)
+    for e in eps:
+        e["position"] = e["q"] = eps.index(e)
+    (tmp_path / "episodes").mkdir()
+    with gzip.open(tmp_path / "episodes" / "q0000.jsonl.gz", "wt") as f:
+        f.writelines(json.dumps(e) + "\n" for e in eps)
+
+    def tiny_setup(extra, seed, out):
+        cfg = train_min.parse_config(["--preset", "tiny", "--model", path, "--out_dir",
+                                      str(base / "u"), "--load_in_4bit", "false", *extra])
+        tok, model, head = train_min.load_model(cfg, torch.device("cpu"))
+        return cfg, torch.device("cpu"), None, tok, model, head
+    monkeypatch.setattr(co, "setup", tiny_setup)
+    monkeypatch.setattr(co, "RESULTS", tmp_path / "results")
+    argv = ["head", "--out", str(tmp_path), "--steps", "3", "--", "--questions_per_step", "1",
+            "--n_rollouts", "4", "--minibatches", "2"]
+    record = co.main(argv)
+    assert record["name"] == "turn_critic" and record["n_train"] == 16 and record["n_held"] == 4
+    assert record["lr"] == float(min(record["cv_mse"], key=record["cv_mse"].get))
+    assert set(record["per_lr"]) == {str(r) for r in co.HEAD_RATES}
+    assert record["episodes_per_step"] == 4 and record["all_training_episodes"]["steps"] == 4
+    assert record["pass"] == (record["held"]["ev_turn_start"] >= co.PASS_MARK)
+    assert json.loads((tmp_path / "results" / "head_turn_critic.json").read_text()) == record
+    layer = record["layer"]
+    assert sorted(p.name for p in tmp_path.glob("turnfeat-*.pt")) == [
+        f"turnfeat-L{layer}-float32-held.pt", f"turnfeat-L{layer}-float32-train.pt"]
+
+    def recompute(*a, **k):
+        raise AssertionError("the cached features were not used")
+    monkeypatch.setattr(co, "turn_start_features", recompute)
+    again = co.main(argv)
+    assert again["cv_mse"] == record["cv_mse"] and again["held"] == record["held"]
+
+
+def test_report_gives_a_head_record_its_verdict_and_a_stopped_fit_none(tmp_path, monkeypatch):
+    monkeypatch.setattr(co, "RESULTS", tmp_path)
+    (tmp_path / "head_turn_critic.json").write_text(json.dumps({
+        "name": "turn_critic", "layer": 16, "lr": 0.001, "steps": 24, "episodes_per_step": 16,
+        "ppo_epochs": 2, "minibatches": 4, "trained_params": 577, "pass": False,
+        "held": {"ev_turn_start": 0.04, "ev_tokens": 0.03}, "train": {"ev_turn_start": 0.2},
+        "per_lr": {"0.001": {"held": {"ev_turn_start": 0.04}},
+                   "0.003": {"held": {"ev_turn_start": 0.12}}},
+        "reference": {"ev_turn_start_held": 0.178}}))
+    (tmp_path / "fit_b.json").write_text(json.dumps({
+        "name": "b", "lora_layers": 8, "epochs": 3, "reference": {"ev_turn_start_held": 0.178},
+        "per_epoch": [{"epoch": e, "held": {"ev_tokens": 0.0, "ev_turn_start": 0.2},
+                       "train": {"ev_tokens": 0.0, "ev_turn_start": 0.0}} for e in (0, 1)]}))
+    text = co.report(None, [])
+    assert "frozen layer 16" in text and "lr 0.001 (5-fold CV)" in text
+    assert "| 577 | 24 steps | +0.040 fail | +0.120 (lr 0.003) | +0.030 | +0.200 | +0.178 |" in text
+    assert "+0.200 stopped after 1 of 3 |" in text          # no verdict on a cut-short fit

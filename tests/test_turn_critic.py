@@ -1,0 +1,329 @@
+"""Tests for the turn-boundary critic (issue 41, §12): mpo.turn_start_positions and
+mpo.spread_turn_values, what MPO computes from a critic's values at turn starts only, and
+train_min's --critic turn (its refusals, its running standardisation, its features, its update,
+a tiny run end to end with exact resume)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import fault_runner
+import mpo
+import presets
+import train_min
+from helpers import run_main
+
+ROOT = Path(__file__).resolve().parents[1]
+CPU = torch.device("cpu")
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _random_layout(g: torch.Generator, B: int = 5, T: int = 40):
+    """Rows of prompt, then turns separated by observations, right-padded: (B, T) turn ids."""
+    rows = []
+    for _ in range(B):
+        tid, k = [-1] * int(torch.randint(1, 4, (1,), generator=g)), 0
+        for _ in range(int(torch.randint(0, 4, (1,), generator=g))):
+            tid += [k] * int(torch.randint(1, 6, (1,), generator=g))
+            tid += [-1] * int(torch.randint(1, 4, (1,), generator=g))
+            k += 1
+        rows.append((tid + [-1] * T)[:T])
+    return torch.tensor(rows)
+
+
+# --- mpo.py: positions and spread ------------------------------------------------------------
+
+def test_turn_start_positions_on_a_hand_layout():
+    tid = torch.tensor([[-1, 0, 0, -1, 1, 1, 1, -1],
+                        [-1, -1, 0, 0, 0, -1, -1, -1],
+                        [-1, -1, -1, -1, -1, -1, -1, -1]])
+    pos, mask = mpo.turn_start_positions(tid)
+    assert pos.tolist() == [[1, 4], [2, 0], [0, 0]]
+    assert mask.tolist() == [[True, True], [True, False], [False, False]]
+    pos3, mask3 = mpo.turn_start_positions(tid, num_turns=3)          # a wider K: padded
+    assert pos3.shape == (3, 3) and not mask3[:, 2].any()
+    with pytest.raises(ValueError, match="num_turns=1 but turn_ids holds 2 turns"):
+        mpo.turn_start_positions(tid, num_turns=1)
+
+
+def test_spread_turn_values_puts_each_turn_start_value_on_its_tokens():
+    tid = torch.tensor([[-1, 0, 0, -1, 1, 1, 1, -1], [-1, -1, 0, 0, 0, -1, -1, -1]])
+    v = mpo.spread_turn_values(torch.tensor([[1.0, 2.0], [3.0, 9.0]]), tid)
+    assert v.tolist() == [[0, 1, 1, 0, 2, 2, 2, 0], [0, 0, 3, 3, 3, 0, 0, 0]]
+    with pytest.raises(ValueError, match=r"values_turn must have shape \(2, >= 2\)"):
+        mpo.spread_turn_values(torch.zeros(2, 1), tid)
+    with pytest.raises(TypeError, match="values_turn must be a floating-point"):
+        mpo.spread_turn_values(torch.zeros(2, 2, dtype=torch.long), tid)
+    with pytest.raises(ValueError, match="values_turn holds NaN"):
+        mpo.spread_turn_values(torch.tensor([[1.0, float("nan")], [0.0, 0.0]]), tid)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_with_turn_start_values_mpo_is_turn_gae_of_those_values(seed):
+    """What the docstring of spread_turn_values says MPO computes: δ_{t,i} = 0 inside a turn and
+    δ^turn_t on its last token; at β = 0 every token of turn t gets A^turn_t = Σ_k λ^k δ^turn_{t+k}
+    with δ^turn_t = r_t + V_{t+1,1} − V_{t,1} (by a plain loop here); the "mae" returns at β = 0
+    are V_{t,1} + A^turn_t; and β > 0 adds a correction that depends on the position alone."""
+    g = torch.Generator().manual_seed(seed)
+    tid = _random_layout(g)
+    K = int(tid.max()) + 1
+    v_turn = torch.randn(tid.shape[0], max(K, 1), generator=g, dtype=torch.float64)
+    scores = torch.randn(tid.shape[0], generator=g, dtype=torch.float64)
+    values = mpo.spread_turn_values(v_turn, tid)
+    rewards = mpo.outcome_rewards(scores, tid)
+    lam = 0.8
+    delta = mpo.token_td_residuals(rewards, values, tid)
+    adv, ret = mpo.mpo_advantages(rewards, values, tid, lam=lam, beta=0.0, whiten=False,
+                                  critic_target="mae")
+    for b in range(tid.shape[0]):
+        n = int(tid[b].max()) + 1
+        d_turn = [(scores[b] if t == n - 1 else 0.0) + (v_turn[b, t + 1] if t + 1 < n else 0.0)
+                  - v_turn[b, t] for t in range(n)]
+        a_turn, acc = [0.0] * n, 0.0
+        for t in reversed(range(n)):
+            acc = d_turn[t] + lam * acc
+            a_turn[t] = acc
+        for t in range(n):
+            where = (tid[b] == t).nonzero()[:, 0]
+            assert not delta[b, where[:-1]].any()                    # 0 inside the turn
+            assert torch.isclose(delta[b, where[-1]], torch.as_tensor(d_turn[t], dtype=delta.dtype))
+            assert torch.allclose(adv[b, where], torch.full((len(where),), float(a_turn[t]),
+                                                            dtype=adv.dtype))
+            assert torch.allclose(ret[b, where], v_turn[b, t] + a_turn[t])
+    # β > 0: the centred correction β (λ_intra^(L_t − i) − mean) δ^turn_t, position only
+    adv1, _ = mpo.mpo_advantages(rewards, values, tid, lam=lam, lam_intra=0.95, beta=1.0,
+                                 whiten=False)
+    act = tid >= 0
+    for b in range(tid.shape[0]):
+        for t in range(int(tid[b].max()) + 1):
+            where = (tid[b] == t).nonzero()[:, 0]
+            L = len(where)
+            profile = torch.tensor([0.95 ** (L - 1 - i) for i in range(L)], dtype=torch.float64)
+            corr = (profile - profile.mean()) * delta[b, where[-1]]
+            assert torch.allclose(adv1[b, where] - adv[b, where], corr)
+    assert torch.equal(adv1[~act], adv[~act])
+
+
+# --- train_min: flags ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv, message", [
+    (["--variant", "grpo"], "--variant grpo has no critic"),
+    (["--variant", "ppo"], "--variant ppo's token GAE needs one at every token"),
+    (["--variant", "sao"], "--variant sao's token GAE needs one at every token"),
+    (["--variant", "mpo"], "--critic turn with --beta 1.0"),
+    (["--variant", "mpo_token_is", "--beta", "0.5"], "--critic turn with --beta 0.5"),
+    (["--variant", "mpo_beta0", "--critic_layer", "-1"], "--critic_layer must be >= 0"),
+])
+def test_turn_critic_refuses_what_it_cannot_serve(argv, message, tmp_path):
+    with pytest.raises(train_min.ConfigError, match=message):
+        train_min.parse_config(["--preset", "tiny", "--critic", "turn", "--out_dir",
+                                str(tmp_path), *argv])
+    with pytest.raises(SystemExit, match="train_min.py: .*" + message):   # one line, no traceback
+        train_min.main(["--preset", "tiny", "--critic", "turn", "--out_dir", str(tmp_path / "x"),
+                        *argv])
+    assert not (tmp_path / "x").exists()                    # refused before any file is written
+
+
+def test_turn_critic_accepts_mpo_with_beta_zero_and_an_unknown_critic_is_named(tmp_path):
+    for argv in (["--variant", "mpo_beta0"], ["--variant", "mpo", "--beta", "0"],
+                 ["--variant", "mpo_token_is", "--beta", "0"]):
+        cfg = train_min.parse_config(["--preset", "tiny", "--critic", "turn", "--out_dir",
+                                      str(tmp_path), *argv])
+        assert cfg.critic == "turn" and cfg.beta == 0
+    with pytest.raises(ValueError, match=r"--critic must be one of \('token', 'turn'\), got 'x'"):
+        train_min.parse_config(["--preset", "tiny", "--critic", "x", "--out_dir", str(tmp_path)])
+
+
+# --- train_min: the head ---------------------------------------------------------------------
+
+def test_running_standardisation_equals_the_statistics_of_everything_seen():
+    g = torch.Generator().manual_seed(0)
+    head = train_min.TurnValueHead(6, layer=1)
+    parts = [torch.randn(n, 6, generator=g) * 3 + 5 for n in (7, 1, 0, 12)]
+    for x in parts:
+        head.observe(x)
+    allx = torch.cat(parts).double()
+    assert int(head.count) == len(allx)
+    assert torch.allclose(head.mean, allx.mean(0))
+    assert torch.allclose(head.m2 / head.count, allx.var(0, unbiased=False))
+    assert head(torch.randn(3, 4, 6)).shape == (3, 4)
+    assert torch.equal(head(torch.randn(5, 6)), torch.zeros(5))          # zero-initialised
+    state = head.state_dict()                                             # kept in checkpoints
+    assert {"count", "mean", "m2", "linear.weight", "linear.bias"} <= set(state)
+
+
+def test_the_turn_critic_loss_learns_a_linear_outcome_from_standardised_features():
+    """The trainer's update path for the head (critic_backward's loss, AdamW at the head's rate)
+    on features whose scale and offset differ by dimension: it fits R = w·x + noise (EV > 0.8 on
+    fresh rows) where a head without the standardisation, same rate and steps, does not."""
+    g = torch.Generator().manual_seed(1)
+    H, scale = 16, torch.logspace(-2, 2, 16)
+    w = torch.randn(H, generator=g)
+
+    def draw(n):
+        z = torch.randn(n, H, generator=g)
+        return z * scale + 10, z @ w + 0.1 * torch.randn(n, generator=g)
+
+    def fit(standardise: bool):
+        torch.manual_seed(0)
+        head = train_min.TurnValueHead(H, layer=1)
+        if not standardise:
+            head.count.fill_(1.0)
+            head.m2.fill_(1.0)                                           # sd 1, mean 0: raw
+        opt = torch.optim.AdamW(head.parameters(), lr=1e-2, weight_decay=0.0)
+        for _ in range(300):
+            x, R = draw(32)
+            if standardise:
+                head.observe(x)
+            tid = torch.zeros(32, 1, dtype=torch.long)                   # one turn per row
+            v = head(x[:, None, :])
+            loss = mpo.value_loss(v, v.detach(), R[:, None], tid)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        x, R = draw(2000)
+        with torch.no_grad():
+            return 1 - float((R - head(x)).var() / R.var())
+    assert fit(True) > 0.8
+    assert fit(False) < 0.5
+
+
+# --- train_min: on the tiny model ------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("turn_critic")
+
+
+@pytest.fixture(scope="module")
+def tiny_path(base) -> str:
+    cfg = train_min.parse_config(["--preset", "tiny", "--out_dir", str(base / "unused")])
+    return presets.build_tiny_model(base / ".tiny-qwen2", train_min.make_suite(cfg).corpus)
+
+
+def turn_cfg(tiny_path, base, *extra):
+    return train_min.parse_config(["--preset", "tiny", "--model", tiny_path, "--variant",
+                                   "mpo_beta0", "--critic", "turn", "--out_dir",
+                                   str(base / "unit"), *extra])
+
+
+def test_turn_features_are_the_frozen_layer_before_each_turn(tiny_path, base):
+    """turn_features = the frozen model's hidden_states[layer] at the token before each turn
+    start (what the offline probe fits), whatever the policy adapter holds."""
+    from helpers import randomise_lora_b
+    cfg = turn_cfg(tiny_path, base)
+    tok, model, head = train_min.load_model(cfg, CPU)
+    assert isinstance(head, train_min.TurnValueHead) and list(model.peft_config) == ["policy"]
+    n_layers = model.config.num_hidden_layers
+    assert head.layer == n_layers // 2 + 1
+    randomise_lora_b(model, 0.5, seed=3)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, len(tok), (2, 24), generator=g)
+    attn = torch.ones_like(ids)
+    tid = torch.full((2, 24), -1)
+    tid[0, 5:9], tid[0, 12:20], tid[1, 3:10] = 0, 1, 0
+    x = train_min.turn_features(model, ids, attn, tid, head.layer, num_turns=3)
+    assert x.shape == (2, 3, model.config.hidden_size)
+    with torch.no_grad(), model.disable_adapter():
+        hs = model.get_base_model().get_decoder()(input_ids=ids, attention_mask=attn,
+                                                  output_hidden_states=True).hidden_states
+    ref = hs[head.layer]
+    for b, k, p in ((0, 0, 5), (0, 1, 12), (1, 0, 3)):
+        assert torch.allclose(x[b, k], ref[b, p - 1], atol=1e-5), (b, k)
+    assert not x[1, 1:].any() and not x[0, 2].any()                     # absent turns: 0
+    train_min.use_adapter(model, "policy")
+    with torch.no_grad():                                 # the policy's own states differ there
+        hp = model.get_base_model().get_decoder()(input_ids=ids, attention_mask=attn,
+                                                  output_hidden_states=True).hidden_states
+    assert not torch.allclose(hp[-1], hs[-1])
+    with pytest.raises(train_min.ConfigError, match=f"--critic_layer must be in 1..{n_layers}"):
+        train_min.load_model(turn_cfg(tiny_path, base, "--critic_layer", str(n_layers + 1)), CPU)
+
+
+def test_a_turn_critic_update_trains_the_head_only_on_turn_start_targets(tiny_path, base):
+    """score_batch gives every token its turn's start value; update moves the head toward
+    V_{t,1} + A^turn_t (its loss falls over passes) and never touches the policy's weights
+    through the critic; the critic's loss is the mean over the minibatch's turns."""
+    cfg = turn_cfg(tiny_path, base, "--critic_warmup_steps", "1", "--value_clip", "0")
+    tok, model, head = train_min.load_model(cfg, CPU)
+    torch.manual_seed(0)
+    suite = train_min.make_suite(cfg)
+    trajs = train_min.rollout(model, tok, suite, suite.train[:2], cfg, 4)
+    batch = train_min.collate(trajs, tok.pad_token_id, CPU)
+    batch["scores"] = torch.arange(len(trajs), dtype=torch.float32) % 2      # a spread of R
+    train_min.score_batch(model, head, batch, cfg)
+    tid = batch["turn_ids"]
+    K = int(tid.max()) + 1
+    assert batch["turn_x"].shape == (len(trajs), K, model.config.hidden_size)
+    pos, mask = mpo.turn_start_positions(tid, K)
+    assert int(head.count) == int(mask.sum())                        # observed once per batch
+    v = batch["values"]
+    for b in range(len(trajs)):                                      # constant within a turn
+        for t in range(int(tid[b].max()) + 1):
+            assert len(set(v[b][tid[b] == t].tolist())) == 1
+    assert not v.any()                                               # zero-initialised head
+    train_min.compute_advantages(batch, cfg)
+    expected = mpo.mpo_advantages(mpo.outcome_rewards(batch["scores"], tid), v, tid,
+                                  lam=cfg.lam, beta=0.0, critic_target="mae")[1]
+    assert torch.equal(batch["returns"], expected)                   # V_{t,1} + A^turn_t
+    policy = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
+    opt = train_min.make_optimizer(model, head, cfg)
+    assert len(opt.param_groups) == 2                                # policy, head: no adapter
+    batch["step"] = 0                                                # a critic-only step
+    losses = []
+    for _ in range(5):
+        losses.append(train_min.update(model, head, opt, batch, cfg)["value_loss"])
+    assert losses[-1] < losses[0] and losses[0] > 0
+    assert head.linear.weight.abs().max() > 0
+    for n, p in model.named_parameters():
+        if "lora_" in n:
+            assert torch.equal(p.detach(), policy[n]), n
+    # the value loss of the first pass, by hand: ½ mean over the batch's turns of (V − G)²
+    G = batch["returns"].gather(1, pos)[mask]
+    head2 = train_min.TurnValueHead(model.config.hidden_size, head.layer)
+    head2.load_state_dict(head.state_dict())
+    with torch.no_grad():
+        V = head2(batch["turn_x"])[mask]
+    batch2 = {k: v for k, v in batch.items() if k != "plan"}        # one minibatch below
+    batch2["values"] = mpo.spread_turn_values(head2(batch["turn_x"]).detach(), tid)
+    c1 = turn_cfg(tiny_path, base, "--minibatches", "1", "--ppo_epochs", "1", "--value_clip", "0")
+    opt2 = torch.optim.SGD(head2.parameters(), lr=0.0)
+    stats = train_min.update(model, head2, opt2, batch2, c1)
+    assert stats["value_loss"] == pytest.approx(float(0.5 * ((V - G) ** 2).mean()), rel=1e-5)
+
+
+def test_tiny_run_with_a_turn_critic_checkpoints_the_head_and_resumes_exactly(base, tiny_path):
+    from safetensors.torch import load_file
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MPO_CACHE", str(base / "mpo-cache"))
+        mp.setattr(*fault_runner.quick_build_patch())
+        mp.setattr(*fault_runner.parity_reward_patch())
+        args = ["--preset", "tiny", "--variant", "mpo_beta0", "--critic", "turn",
+                "--eval_every", "2", "--structure_every", "1"]
+        split, whole = base / "split", base / "whole"
+        run_main(args + ["--steps", "2", "--out_dir", str(split)])
+        run_main(args + ["--steps", "4", "--resume", "--out_dir", str(split)])
+        run_main(args + ["--steps", "4", "--out_dir", str(whole)])
+    rows = [[json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]
+            for d in (split, whole)]
+    assert [r["step"] for r in rows[1]] == [1, 2, 3, 4]
+    volatile = ("time/", "tokens_per_s", "mem/")
+    for a, b in zip(*rows):
+        assert ({k: v for k, v in a.items() if not k.startswith(volatile)}
+                == {k: v for k, v in b.items() if not k.startswith(volatile)})
+    assert any(r["loss/value_loss"] > 0 for r in rows[1])
+    # a turn critic's values are constant within turns: all their variance lies between turns
+    shares = [r["critic/between_share_token_median"] for r in rows[1]
+              if r.get("critic/n_trajectories", 0) > 0]
+    assert all(s == pytest.approx(1.0) for s in shares)
+    ck = whole / "checkpoints" / "step_000004"
+    assert not (ck / "adapters" / "critic").exists()
+    head = load_file(ck / "value_head.safetensors")
+    assert set(head) == {"count", "mean", "m2", "linear.weight", "linear.bias"}
+    assert head["count"] > 0 and head["linear.weight"].abs().max() > 0
+    sa = load_file(split / "checkpoints" / "step_000004" / "value_head.safetensors")
+    assert all(torch.equal(sa[k], head[k]) for k in head)
