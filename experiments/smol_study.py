@@ -4,6 +4,7 @@ every table of its report, recomputed from the committed raw outcomes.
     python experiments/smol_study.py run pilot                 # A, B, C x seeds 0-3
     python experiments/smol_study.py run abc --seeds 4 5 6 7   # more seeds of A, B, C
     python experiments/smol_study.py run baselines             # PPO, GRPO x seeds 0-3
+    python experiments/smol_study.py run turn                  # C with --critic turn (issue 41)
     python experiments/smol_study.py report                    # tables (stdout and --out)
     python experiments/smol_study.py diff A.jsonl B.jsonl      # two evaluations, per question
 
@@ -43,8 +44,12 @@ sys.path.insert(0, str(ROOT))                    # python experiments/smol_study
 from experiments import grid  # noqa: E402
 
 STAGES = {"pilot": ("mpo", "mpo_token_is", "mpo_beta0"), "abc": ("mpo", "mpo_token_is", "mpo_beta0"),
+          "turn": ("mpo_beta0_turn",),         # issue 41, part 3: §12's turn-boundary critic
           "baselines": ("ppo", "grpo")}
+# a setting that is a variant plus trainer flags (its config's "critic" tells it apart)
+SETTINGS = {"mpo_beta0_turn": ("mpo_beta0", ["--critic", "turn"])}
 LABELS = {"mpo": "A: MPO", "mpo_token_is": "B: MPO w/ token IS", "mpo_beta0": "C: MPO β=0",
+          "mpo_beta0_turn": "C-turn: MPO β=0, turn critic",
           "ppo": "PPO", "grpo": "GRPO"}
 GATES = ("critic/explained_variance", "loss/turn_clip_frac", "loss/turn_log_ratio_std",
          "adv/within_turn_share")
@@ -71,8 +76,9 @@ def run_one(variant: str, seed: int, args, extra: list[str]) -> None:
     import train_min                             # torch, but no model: parsing only
     name = f"{variant}-s{seed}"
     out, saved = args.runs / name, args.results / name
+    variant, flags = SETTINGS.get(variant, (variant, []))
     argv = ["--preset", "smol_hops", "--variant", variant, "--seed", str(seed),
-            "--out_dir", str(out), *extra]
+            "--out_dir", str(out), *flags, *extra]
     steps = train_min.parse_config(argv).steps
     if saved.exists() and final_step(saved) >= steps:
         print(f"[study] {name}: finished, skipped", flush=True)
@@ -162,7 +168,8 @@ def load(results: Path) -> dict[tuple[str, int], dict]:
         cfg = json.loads((d / "config.json").read_text())
         evals = {int(f.stem.split("_")[1]): {x["id"]: x for x in read_jsonl(f)} for f in files}
         ws = d / "warm_start.json"
-        runs[cfg["variant"], cfg["seed"]] = {"rows": read_jsonl(d / "metrics.jsonl"),
+        setting = cfg["variant"] + ("_turn" if cfg.get("critic") == "turn" else "")
+        runs[setting, cfg["seed"]] = {"rows": read_jsonl(d / "metrics.jsonl"),
                                              "evals": evals, "cfg": cfg,
                                              "warm": json.loads(ws.read_text()) if ws.exists() else [],
                                              "machine": json.loads((d / "machine.json").read_text())

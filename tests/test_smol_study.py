@@ -290,3 +290,34 @@ def test_eval_diff_counts_identical_episodes_and_flips_on_common_questions(tmp_p
     write_jsonl(b, [{**outcomes(set())[0], "id": "other"}])
     with pytest.raises(SystemExit, match="share no question id"):
         st.main(["diff", str(a), str(b)])
+
+
+def test_the_turn_critic_setting_runs_c_with_critic_turn_and_reports_apart_from_c(
+        tmp_path, monkeypatch):
+    """`run turn` launches C with --critic turn in its own folder; the report keys a run by its
+    config's critic, so C-turn is compared with A as a setting of its own, not merged into C."""
+    launched = []
+
+    def fake_launch(argv):
+        launched.append(argv)
+        out = Path(argv[argv.index("--out_dir") + 1])
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(json.dumps({"variant": "mpo_beta0", "seed": 0,
+                                                     "critic": "turn", "steps": 6}))
+        write_jsonl(out / "metrics.jsonl", [{"step": 6}])
+        write_jsonl(out / "eval" / "step_0006.jsonl", outcomes({0, 1, 2, 3, 4, 5, 6}))
+    monkeypatch.setattr(st, "launch", fake_launch)
+    monkeypatch.setattr(st.grid, "git_commit", lambda: "aaa1111")
+    results = tmp_path / "results"
+    write_run(results, "mpo", 0, {0, 1, 2})
+    write_run(results, "mpo_beta0", 0, {0})
+    args = argparse.Namespace(runs=tmp_path / "runs", results=results, seeds=[0], stage="turn",
+                              variants=None)
+    st.run(args, ["--steps", "6"])
+    assert launched == [["--preset", "smol_hops", "--variant", "mpo_beta0", "--seed", "0",
+                         "--out_dir", str(tmp_path / "runs" / "mpo_beta0_turn-s0"), "--critic",
+                         "turn", "--steps", "6", "--eval_first", "false", "--overwrite"]]
+    runs = st.load(results)
+    assert {k for k in runs} == {("mpo", 0), ("mpo_beta0", 0), ("mpo_beta0_turn", 0)}
+    assert st.em(st.final(runs["mpo_beta0_turn", 0])) == 70.0
+    assert "| C-turn: MPO β=0, turn critic | 1 |" in st.gains_table(runs)
