@@ -7,9 +7,10 @@ ends a run, pass@k and pass^k, per-episode outcomes, evaluation-only runs; and t
 machinery train_min.generate_turns uses (the generation config and its check, where a turn ends,
 the sampler's log-probs, rows per call, the sampled vocabulary, the action after </think>).
 
-A checkpoint is one folder, out_dir/checkpoints/step_NNNNNN/, holding CHECKPOINT_FILES: the two
-LoRA adapters and the value head (safetensors), the optimiser and RNG states (trainer_state.pt)
-and state.json (step, questions seen, config); out_dir/checkpoints/latest names the newest.
+A checkpoint is one folder, out_dir/checkpoints/step_NNNNNN/, holding CHECKPOINT_FILES: the LoRA
+adapters (policy; critic unless --critic turn) and the value head (safetensors), the optimiser
+and RNG states (trainer_state.pt) and state.json (step, questions seen, config);
+out_dir/checkpoints/latest names the newest.
 """
 from __future__ import annotations
 
@@ -124,7 +125,7 @@ def sao_defaults(cfg, given: set[str]) -> None:
 # Counts and ranges of Config, checked before any model is loaded or file written.
 AT_LEAST_ONE = ("steps", "save_every", "eval_every", "structure_every", "n_train", "n_val",
                 "min_hops", "top_k", "max_turns", "max_new_tokens", "max_total_tokens", "lora_r",
-                "n_rollouts", "questions_per_step", "ppo_epochs", "minibatches",
+                "n_rollouts", "questions_per_step", "ppo_epochs", "minibatches", "critic_buffer",
                 "micro_batch_size", "rollout_batch_size", "eval_samples")
 POSITIVE = ("lora_alpha", "clip_eps", "clip_eps_high", "gspo_clip_low", "gspo_clip_high",
             "max_grad_norm", "critic_max_grad_norm", "temperature", "vapo_alpha", "sao_alpha",
@@ -464,6 +465,62 @@ def micro_batches(rows: torch.Tensor, lengths: list[int], cfg) -> list[torch.Ten
             cur = []
         cur.append(i)
     return out + [torch.tensor(cur)] if cur else out
+
+
+class RunningMoments(torch.nn.Module):
+    """The running mean and variance of feature vectors, float64 buffers (kept in checkpoints):
+    observe(x) adds a batch (Chan et al.'s parallel update), standardise(x) = (x − mean) / sd."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        for name in ("count", "mean", "m2"):
+            self.register_buffer(name, torch.zeros(() if name == "count" else hidden,
+                                                   dtype=torch.float64))
+
+    @torch.no_grad()
+    def observe(self, x: torch.Tensor) -> None:                                # (N, H)
+        n, x = x.shape[0], x.double()
+        if n:
+            total, d = self.count + n, x.mean(0) - self.mean
+            self.m2 += ((x - x.mean(0)) ** 2).sum(0) + d ** 2 * self.count * n / total
+            self.mean += d * n / total
+            self.count.copy_(total)
+
+    def standardise(self, x: torch.Tensor) -> torch.Tensor:                    # (..., H) float64
+        return (x.double() - self.mean) / (self.m2 / self.count.clamp(min=1)).sqrt().clamp(1e-6)
+
+
+@torch.no_grad()
+def turn_features(model, ids, attn, turn_ids, layer: int, num_turns: int) -> torch.Tensor:
+    """train_min's --critic turn: the frozen model's hidden state after `layer` decoder layers at
+    the token before each turn (where V_{t,1} is read), (B, K, H); 0 where a row has no turn k."""
+    pos, mask = mpo.turn_start_positions(turn_ids, num_turns, validate=False)   # (B, K)
+    with model.disable_adapter(), decoder_layers(model, 0, layer) as lower:
+        h = lower(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state
+    x = h.gather(1, (pos - 1).clamp(min=0)[..., None].expand(-1, -1, h.shape[-1]))
+    return x * mask[..., None]                                                 # (B, K, H)
+
+
+RIDGE_LAMBDAS = tuple(10.0 ** k for k in range(-1, 6))     # the offline probe's grid
+
+
+def ridge_loo(z: torch.Tensor, y: torch.Tensor,
+              lambdas=RIDGE_LAMBDAS) -> tuple[torch.Tensor, float]:
+    """Ridge regression of y (n,) on z (n, p) with a free intercept, min ‖b + z w − y‖² + λ‖w‖²,
+    λ chosen by exact leave-one-out error, mean (e_i / (1 − H_ii))² (H the hat matrix); returns
+    ([b, w] (p + 1,), λ). train_min.TurnValueHead's refit (--critic turn)."""
+    X = torch.cat([torch.ones_like(z[:, :1]), z], 1)                          # (n, p + 1)
+    gram, xty, best = X.T @ X, X.T @ y, None
+    free = torch.ones(X.shape[1], dtype=X.dtype, device=X.device)
+    free[0] = 0.0                                                              # no penalty on b
+    for lam in lambdas:
+        inv = torch.linalg.inv(gram + torch.diag(lam * free))
+        coef = inv @ xty
+        hat = ((X @ inv) * X).sum(1)                                           # H_ii
+        loo = float((((y - X @ coef) / (1 - hat).clamp(min=1e-9)) ** 2).mean())
+        if best is None or loo < best[0]:
+            best = (loo, coef, lam)
+    return best[1], best[2]
 
 
 # --- seeding, RNG states and checkpoints -------------------------------------------------------

@@ -528,17 +528,31 @@ def probe(args, extra: list[str]) -> dict:
 HEAD_RATES = (1e-4, 3e-4, 1e-3, 3e-3)     # the value head's rate, chosen by 5-fold CV
 
 
+class SGDHead(nn.Module):
+    """The first design of the part-2 check: a zero-initialised linear layer on running-
+    standardised features (run_utils.RunningMoments), trained by AdamW steps."""
+
+    def __init__(self, hidden: int):
+        import run_utils
+        super().__init__()
+        self.stats, self.linear = run_utils.RunningMoments(hidden), nn.Linear(hidden, 1)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(self.stats.standardise(x).float()).squeeze(-1)
+
+
 def replay_head(rows: list[dict], cfg, lr: float, steps: int, seed: int):
-    """train_min's --critic turn as the trainer trains it, on cached features: `steps` batches of
+    """The first design (SGDHead) as a trainer would train it, on cached features: `steps` batches of
     questions_per_step x n_rollouts episodes (in an order shuffled with `seed`); each batch's
     turn starts update the running standardisation, then ppo_epochs x minibatches AdamW steps on
     mpo.value_loss over a minibatch's turn starts (clipped at --value_clip against the batch's
     values after `observe`, gradient norm clipped at --critic_max_grad_norm), as critic_backward
     does; the target is R(τ). Returns the head."""
     import mpo
-    import train_min
     torch.manual_seed(seed)
-    head = train_min.TurnValueHead(rows[0]["x"].shape[-1], layer=0)
+    head = SGDHead(rows[0]["x"].shape[-1])
     opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.0)
     per_step = cfg.questions_per_step * cfg.n_rollouts
     order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed)).tolist()
@@ -546,7 +560,7 @@ def replay_head(rows: list[dict], cfg, lr: float, steps: int, seed: int):
         batch = [rows[i] for i in order[s * per_step:(s + 1) * per_step]]
         if not batch:
             break
-        head.observe(torch.cat([r["x"][0] for r in batch]))
+        head.stats.observe(torch.cat([r["x"][0] for r in batch]))
         with torch.no_grad():
             old = [head(r["x"][0]) for r in batch]                 # V at scoring, per episode
         for _ in range(cfg.ppo_epochs):
@@ -563,6 +577,26 @@ def replay_head(rows: list[dict], cfg, lr: float, steps: int, seed: int):
                 torch.nn.utils.clip_grad_norm_(head.parameters(), cfg.critic_max_grad_norm)
                 opt.step()
     return head
+
+
+def replay_ridge(rows: list[dict], cfg, steps: int, seed: int):
+    """The second design of design.md, train_min's --critic turn head (TurnValueHead): the same
+    schedule as replay_head, but at each step the batch's turn starts join the head's buffer and
+    it is refitted in closed form (TurnValueHead.refit). Returns the head and each step's λ."""
+    import train_min
+    head = train_min.TurnValueHead(rows[0]["x"].shape[-1], layer=0)
+    per_step = cfg.questions_per_step * cfg.n_rollouts
+    order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed)).tolist()
+    lams = []
+    for s in range(steps):
+        batch = [rows[i] for i in order[s * per_step:(s + 1) * per_step]]
+        if not batch:
+            break
+        x = torch.cat([r["x"][0] for r in batch])
+        head.stats.observe(x)
+        y = torch.cat([torch.full((r["x"].shape[1],), float(r["R"])) for r in batch])
+        lams.append(head.refit(x, y))
+    return head, lams
 
 
 def head_scores(head, rows: list[dict]) -> dict:
@@ -595,6 +629,8 @@ def head(args, extra: list[str]) -> dict:
                                         out / f"turnfeat-L{layer}-{d}-{name}.pt")
              for name, eps in (("train", train), ("held", held))}
     t0 = time.time()
+    if args.head_fit == "ridge":
+        return ridge_check(args, extra, cfg, layer, feats, train, held, tok, t0)
     cv = {}
     for lr in HEAD_RATES:
         err = 0.0
@@ -635,6 +671,33 @@ def head(args, extra: list[str]) -> dict:
           f"{record['all_training_episodes']['held']['ev_turn_start']:+.3f}", flush=True)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"head_{args.name}.json").write_text(json.dumps(record, indent=1))
+    return record
+
+
+def ridge_check(args, extra, cfg, layer, feats, train, held, tok, t0) -> dict:
+    """head --head_fit ridge: replay_ridge over --steps, held-out EV against the pass mark."""
+    h, lams = replay_ridge(feats["train"], cfg, args.steps, args.seed)
+    all_steps = -(-len(train) // (cfg.questions_per_step * cfg.n_rollouts))
+    h_all, lams_all = replay_ridge(feats["train"], cfg, all_steps, args.seed)
+    held_scores = head_scores(h, feats["held"])
+    ok = held_scores["ev_turn_start"] >= PASS_MARK
+    name = args.name if args.name != "turn_critic" else "turn_critic_ridge"
+    record = {"name": name, "commit": commit(), "flags": extra, "design": "trainer head, ridge",
+              "layer": layer, "trained_params": feats["train"][0]["x"].shape[-1] + 1,
+              "steps": args.steps, "episodes_per_step": cfg.questions_per_step * cfg.n_rollouts,
+              "lambdas": lams, "pass": ok, "held": held_scores,
+              "train": head_scores(h, feats["train"]),
+              "all_training_episodes": {"steps": all_steps, "lambdas": lams_all,
+                                        "held": head_scores(h_all, feats["held"])},
+              "n_train": len(train), "n_held": len(held), "cpu": cpu_name(),
+              "seconds": round(time.time() - t0, 1), "reference": reference(train, held, tok)}
+    print(f"[head] ridge refit, layer {layer}: held-out EV turn starts "
+          f"{held_scores['ev_turn_start']:+.3f} ({'pass' if ok else 'fail'} at {PASS_MARK:g}), "
+          f"tokens {held_scores['ev_tokens']:+.3f}, R² {held_scores['r2_turn_start']:+.3f}; "
+          f"λ by step {lams}; after all {all_steps} steps "
+          f"{record['all_training_episodes']['held']['ev_turn_start']:+.3f}", flush=True)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"head_{name}.json").write_text(json.dumps(record, indent=1))
     return record
 
 
@@ -707,16 +770,22 @@ def report(args, extra: list[str]) -> str:
             f"{chosen['ev_turn_start_train']:+.3f} | {r['reference']['ev_turn_start_held']:+.3f} |")
     for path in sorted(RESULTS.glob("head_*.json")):
         r = json.loads(path.read_text())
-        best = max(r["per_lr"], key=lambda k: r["per_lr"][k]["held"]["ev_turn_start"])
+        schedule = f"replayed as {r['steps']} steps of {r['episodes_per_step']} episodes"
+        if "per_lr" in r:                       # the first design: AdamW steps
+            best = max(r["per_lr"], key=lambda k: r["per_lr"][k]["held"]["ev_turn_start"])
+            design = (f"gradient-trained head: frozen layer {r['layer']}, running "
+                      f"standardisation, linear, lr {r['lr']:g} (5-fold CV), {schedule} "
+                      f"({r['ppo_epochs']} epochs x {r['minibatches']} minibatches), target turn")
+            best_cell = f"{r['per_lr'][best]['held']['ev_turn_start']:+.3f} (lr {float(best):g})"
+        else:                                   # the second: train_min's --critic turn head
+            design = (f"train_min's `--critic turn` head: frozen layer {r['layer']}, running "
+                      f"standardisation, ridge refit each step on every turn start seen, λ by "
+                      f"leave-one-out (last {r['lambdas'][-1]:g}), {schedule}, target turn")
+            best_cell = "–"
         lines.append(
-            f"| {r['name']} | the trainer's `--critic turn`: frozen layer {r['layer']}, running "
-            f"standardisation, linear head, lr {r['lr']:g} (5-fold CV), replayed as "
-            f"{r['steps']} steps of {r['episodes_per_step']} episodes ({r['ppo_epochs']} epochs x "
-            f"{r['minibatches']} minibatches), target turn | {r['trained_params']} | "
-            f"{r['steps']} steps | {r['held']['ev_turn_start']:+.3f} "
-            f"{'**pass**' if r['pass'] else 'fail'} | "
-            f"{r['per_lr'][best]['held']['ev_turn_start']:+.3f} (lr {float(best):g}) | "
-            f"{r['held']['ev_tokens']:+.3f} | {r['train']['ev_turn_start']:+.3f} | "
+            f"| {r['name']} | {design} | {r['trained_params']} | {r['steps']} steps | "
+            f"{r['held']['ev_turn_start']:+.3f} {'**pass**' if r['pass'] else 'fail'} | "
+            f"{best_cell} | {r['held']['ev_tokens']:+.3f} | {r['train']['ev_turn_start']:+.3f} | "
             f"{r['reference']['ev_turn_start_held']:+.3f} |")
     text = "\n".join(lines) + "\n"
     (RESULTS / "table.md").write_text(text)
@@ -753,6 +822,9 @@ def main(argv=None):
     p.add_argument("--separate", action="store_true",
                    help="fit: a separate critic, a full trained copy of the top --lora_layers "
                         "layers (trainer flag after --), no adapter")
+    p.add_argument("--head_fit", choices=["sgd", "ridge"], default="sgd",
+                   help="head: the trainer's AdamW steps, or a ridge refit on every turn start "
+                        "seen, each step")
     p.add_argument("--steps", type=int, default=24,
                    help="head: trainer steps to replay (smol_hops: 24)")
     p.add_argument("--layers", type=int, nargs="*", default=None,

@@ -312,10 +312,13 @@ def test_replayed_turn_critic_learns_a_readable_outcome_in_the_trainers_schedule
     cfg = train_min.parse_config(["--preset", "smol_hops", "--out_dir", "/tmp/unused"])
     assert (cfg.questions_per_step * cfg.n_rollouts, cfg.ppo_epochs, cfg.minibatches) == (16, 2, 4)
     trained = co.replay_head(train, cfg, 3e-3, steps=24, seed=0)
-    assert int(trained.count) == 384 * 3                    # every turn start observed once
+    assert int(trained.stats.count) == 384 * 3              # every turn start observed once
     assert co.head_scores(trained, held)["ev_turn_start"] > 0.3
     untrained = co.replay_head(train, cfg, 0.0, steps=24, seed=0)
     assert co.head_scores(untrained, held)["sd_v"] == 0.0   # lr 0: the zero head stays at 0
+    ridge, lams = co.replay_ridge(train, cfg, steps=24, seed=0)     # train_min's head
+    assert len(lams) == 24 and int(ridge.n_seen) == 384 * 3
+    assert co.head_scores(ridge, held)["ev_turn_start"] > 0.3
 
 
 def test_head_runs_end_to_end_chooses_its_rate_by_cv_and_caches_features(

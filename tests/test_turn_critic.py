@@ -13,6 +13,7 @@ import torch
 import fault_runner
 import mpo
 import presets
+import run_utils
 import train_min
 from helpers import run_main
 
@@ -145,21 +146,50 @@ def test_running_standardisation_equals_the_statistics_of_everything_seen():
     head = train_min.TurnValueHead(6, layer=1)
     parts = [torch.randn(n, 6, generator=g) * 3 + 5 for n in (7, 1, 0, 12)]
     for x in parts:
-        head.observe(x)
+        head.stats.observe(x)
     allx = torch.cat(parts).double()
-    assert int(head.count) == len(allx)
-    assert torch.allclose(head.mean, allx.mean(0))
-    assert torch.allclose(head.m2 / head.count, allx.var(0, unbiased=False))
+    assert int(head.stats.count) == len(allx)
+    assert torch.allclose(head.stats.mean, allx.mean(0))
+    assert torch.allclose(head.stats.m2 / head.stats.count, allx.var(0, unbiased=False))
+    assert torch.allclose(head.stats.standardise(allx).std(0, unbiased=False),
+                          torch.ones(6, dtype=torch.float64))
     assert head(torch.randn(3, 4, 6)).shape == (3, 4)
-    assert torch.equal(head(torch.randn(5, 6)), torch.zeros(5))          # zero-initialised
-    state = head.state_dict()                                             # kept in checkpoints
-    assert {"count", "mean", "m2", "linear.weight", "linear.bias"} <= set(state)
+    assert torch.equal(head(torch.randn(5, 6)), torch.zeros(5))          # V = 0 before a refit
+    assert not any(p.requires_grad for p in head.parameters())           # closed form only
+    assert {"stats.count", "stats.mean", "stats.m2", "seen_x", "seen_g", "n_seen", "lam",
+            "linear.weight", "linear.bias"} == set(head.state_dict())    # kept in checkpoints
 
 
-def test_the_turn_critic_loss_learns_a_linear_outcome_from_standardised_features():
-    """The trainer's update path for the head (critic_backward's loss, AdamW at the head's rate)
-    on features whose scale and offset differ by dimension: it fits R = w·x + noise (EV > 0.8 on
-    fresh rows) where a head without the standardisation, same rate and steps, does not."""
+def test_ridge_leave_one_out_matches_refitting_without_each_row():
+    """run_utils.ridge_loo's e_i / (1 − H_ii) is the error of a fit without row i (checked by
+    refitting n times), its λ the grid's minimiser of that error, its intercept unpenalised."""
+    import run_utils
+    g = torch.Generator().manual_seed(2)
+    z = torch.randn(12, 3, generator=g, dtype=torch.float64)
+    y = z @ torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64) + 4 + \
+        0.3 * torch.randn(12, generator=g, dtype=torch.float64)
+
+    def fit(zz, yy, lam):
+        X = torch.cat([torch.ones(len(zz), 1, dtype=zz.dtype), zz], 1)
+        return torch.linalg.solve(X.T @ X + torch.diag(torch.tensor([0.0, lam, lam, lam],
+                                                                    dtype=zz.dtype)), X.T @ yy)
+
+    def brute_loo(lam):
+        err = 0.0
+        for i in range(len(y)):
+            keep = torch.arange(len(y)) != i
+            c = fit(z[keep], y[keep], lam)
+            err += float((y[i] - c[0] - z[i] @ c[1:]) ** 2)
+        return err / len(y)
+    grid = (0.01, 1.0, 30.0, 1e4)
+    coef, lam = run_utils.ridge_loo(z, y, grid)
+    assert lam == min(grid, key=brute_loo)
+    assert torch.allclose(coef, fit(z, y, lam))
+    big, _ = run_utils.ridge_loo(z, y, (1e9,))                             # all shrinkage:
+    assert big[1:].abs().max() < 1e-6 and float(big[0]) == pytest.approx(float(y.mean()))
+
+
+def test_refit_learns_a_linear_outcome_and_keeps_the_last_capacity_turns():
     g = torch.Generator().manual_seed(1)
     H, scale = 16, torch.logspace(-2, 2, 16)
     w = torch.randn(H, generator=g)
@@ -167,29 +197,21 @@ def test_the_turn_critic_loss_learns_a_linear_outcome_from_standardised_features
     def draw(n):
         z = torch.randn(n, H, generator=g)
         return z * scale + 10, z @ w + 0.1 * torch.randn(n, generator=g)
-
-    def fit(standardise: bool):
-        torch.manual_seed(0)
-        head = train_min.TurnValueHead(H, layer=1)
-        if not standardise:
-            head.count.fill_(1.0)
-            head.m2.fill_(1.0)                                           # sd 1, mean 0: raw
-        opt = torch.optim.AdamW(head.parameters(), lr=1e-2, weight_decay=0.0)
-        for _ in range(300):
-            x, R = draw(32)
-            if standardise:
-                head.observe(x)
-            tid = torch.zeros(32, 1, dtype=torch.long)                   # one turn per row
-            v = head(x[:, None, :])
-            loss = mpo.value_loss(v, v.detach(), R[:, None], tid)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-        x, R = draw(2000)
-        with torch.no_grad():
-            return 1 - float((R - head(x)).var() / R.var())
-    assert fit(True) > 0.8
-    assert fit(False) < 0.5
+    head = train_min.TurnValueHead(H, layer=1, capacity=100)
+    for _ in range(6):                                    # 6 batches of 32: the buffer wraps
+        x, R = draw(32)
+        head.stats.observe(x)
+        lam = head.refit(x, R)
+    assert int(head.n_seen) == 192 and float(head.lam) == lam
+    x, R = draw(2000)
+    with torch.no_grad():
+        assert 1 - float((R - head(x)).var() / R.var()) > 0.95
+    # the fit reads exactly the last 100 rows: a head given only those agrees
+    rows_x, rows_g = head.seen_x.clone(), head.seen_g.clone()
+    other = train_min.TurnValueHead(H, layer=1, capacity=100)
+    other.stats.load_state_dict(head.stats.state_dict())
+    other.refit(rows_x, rows_g)
+    assert torch.allclose(other.linear.weight, head.linear.weight, atol=1e-6)
 
 
 # --- train_min: on the tiny model ------------------------------------------------------------
@@ -244,11 +266,11 @@ def test_turn_features_are_the_frozen_layer_before_each_turn(tiny_path, base):
         train_min.load_model(turn_cfg(tiny_path, base, "--critic_layer", str(n_layers + 1)), CPU)
 
 
-def test_a_turn_critic_update_trains_the_head_only_on_turn_start_targets(tiny_path, base):
-    """score_batch gives every token its turn's start value; update moves the head toward
-    V_{t,1} + A^turn_t (its loss falls over passes) and never touches the policy's weights
-    through the critic; the critic's loss is the mean over the minibatch's turns."""
-    cfg = turn_cfg(tiny_path, base, "--critic_warmup_steps", "1", "--value_clip", "0")
+def test_a_turn_critic_update_refits_the_head_on_turn_start_targets(tiny_path, base):
+    """score_batch gives every token its turn's start value; update refits the head in closed
+    form on V_{t,1} + A^turn_t at the batch's turn starts (logging the error before the refit)
+    and takes no gradient step for it; the policy adapter is left alone on a critic-only step."""
+    cfg = turn_cfg(tiny_path, base, "--critic_warmup_steps", "1")
     tok, model, head = train_min.load_model(cfg, CPU)
     torch.manual_seed(0)
     suite = train_min.make_suite(cfg)
@@ -260,40 +282,32 @@ def test_a_turn_critic_update_trains_the_head_only_on_turn_start_targets(tiny_pa
     K = int(tid.max()) + 1
     assert batch["turn_x"].shape == (len(trajs), K, model.config.hidden_size)
     pos, mask = mpo.turn_start_positions(tid, K)
-    assert int(head.count) == int(mask.sum())                        # observed once per batch
-    v = batch["values"]
-    for b in range(len(trajs)):                                      # constant within a turn
-        for t in range(int(tid[b].max()) + 1):
-            assert len(set(v[b][tid[b] == t].tolist())) == 1
-    assert not v.any()                                               # zero-initialised head
+    assert int(head.stats.count) == int(mask.sum())                  # observed once per batch
+    assert not batch["values"].any()                                 # V = 0 before a refit
     train_min.compute_advantages(batch, cfg)
-    expected = mpo.mpo_advantages(mpo.outcome_rewards(batch["scores"], tid), v, tid,
-                                  lam=cfg.lam, beta=0.0, critic_target="mae")[1]
+    expected = mpo.mpo_advantages(mpo.outcome_rewards(batch["scores"], tid), batch["values"],
+                                  tid, lam=cfg.lam, beta=0.0, critic_target="mae")[1]
     assert torch.equal(batch["returns"], expected)                   # V_{t,1} + A^turn_t
     policy = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
     opt = train_min.make_optimizer(model, head, cfg)
-    assert len(opt.param_groups) == 2                                # policy, head: no adapter
+    assert len(opt.param_groups) == 1                                # the policy's only
     batch["step"] = 0                                                # a critic-only step
-    losses = []
-    for _ in range(5):
-        losses.append(train_min.update(model, head, opt, batch, cfg)["value_loss"])
-    assert losses[-1] < losses[0] and losses[0] > 0
-    assert head.linear.weight.abs().max() > 0
+    stats = train_min.update(model, head, opt, batch, cfg)
+    G = batch["returns"].gather(1, pos)[mask]
+    assert stats["value_loss"] == pytest.approx(float(0.5 * (G ** 2).mean()))   # V was 0
+    assert stats["critic_lambda"] in run_utils.RIDGE_LAMBDAS and "critic_grad_norm" not in stats
+    assert int(head.n_seen) == len(G)
+    coef, lam = run_utils.ridge_loo(head.stats.standardise(batch["turn_x"][mask]), G.double())
+    assert lam == stats["critic_lambda"]
+    assert torch.allclose(head.linear.weight[0].double(), coef[1:].float().double(), atol=1e-6)
+    assert float(head.linear.bias) == pytest.approx(float(coef[0]))
+    with torch.no_grad():                         # the values the next batch will be scored with
+        v = head(batch["turn_x"][mask]).double()
+    assert torch.allclose(v, coef[0] + head.stats.standardise(batch["turn_x"][mask]) @ coef[1:],
+                          atol=1e-5)
     for n, p in model.named_parameters():
         if "lora_" in n:
             assert torch.equal(p.detach(), policy[n]), n
-    # the value loss of the first pass, by hand: ½ mean over the batch's turns of (V − G)²
-    G = batch["returns"].gather(1, pos)[mask]
-    head2 = train_min.TurnValueHead(model.config.hidden_size, head.layer)
-    head2.load_state_dict(head.state_dict())
-    with torch.no_grad():
-        V = head2(batch["turn_x"])[mask]
-    batch2 = {k: v for k, v in batch.items() if k != "plan"}        # one minibatch below
-    batch2["values"] = mpo.spread_turn_values(head2(batch["turn_x"]).detach(), tid)
-    c1 = turn_cfg(tiny_path, base, "--minibatches", "1", "--ppo_epochs", "1", "--value_clip", "0")
-    opt2 = torch.optim.SGD(head2.parameters(), lr=0.0)
-    stats = train_min.update(model, head2, opt2, batch2, c1)
-    assert stats["value_loss"] == pytest.approx(float(0.5 * ((V - G) ** 2).mean()), rel=1e-5)
 
 
 def test_tiny_run_with_a_turn_critic_checkpoints_the_head_and_resumes_exactly(base, tiny_path):
@@ -323,7 +337,8 @@ def test_tiny_run_with_a_turn_critic_checkpoints_the_head_and_resumes_exactly(ba
     ck = whole / "checkpoints" / "step_000004"
     assert not (ck / "adapters" / "critic").exists()
     head = load_file(ck / "value_head.safetensors")
-    assert set(head) == {"count", "mean", "m2", "linear.weight", "linear.bias"}
-    assert head["count"] > 0 and head["linear.weight"].abs().max() > 0
+    assert {"stats.count", "seen_x", "n_seen", "lam", "linear.weight"} <= set(head)
+    assert head["stats.count"] > 0 and head["n_seen"] > 0
+    assert head["linear.weight"].abs().max() > 0
     sa = load_file(split / "checkpoints" / "step_000004" / "value_head.safetensors")
     assert all(torch.equal(sa[k], head[k]) for k in head)
