@@ -653,24 +653,32 @@ def head(args, extra: list[str]) -> dict:
     h_all = replay_head(feats["train"], cfg, lr, all_steps, args.seed)
     chosen = per_lr[str(lr)]
     ok = chosen["held"]["ev_turn_start"] >= PASS_MARK
-    record = {"name": args.name, "commit": commit(), "flags": extra, "design": "trainer head",
-              "layer": layer, "trained_params": feats["train"][0]["x"].shape[-1] + 1,
-              "steps": args.steps, "episodes_per_step":
-              cfg.questions_per_step * cfg.n_rollouts, "ppo_epochs": cfg.ppo_epochs,
-              "minibatches": cfg.minibatches, "value_clip": cfg.value_clip,
-              "cv_mse": {str(k): v for k, v in cv.items()}, "lr": lr, "pass": ok,
-              "held": chosen["held"], "train": chosen["train"], "per_lr": per_lr,
-              "all_training_episodes": {"steps": all_steps,
-                                        "held": head_scores(h_all, feats["held"])},
-              "n_train": len(train), "n_held": len(held), "cpu": cpu_name(),
-              "seconds": round(time.time() - t0, 1), "reference": reference(train, held, tok)}
+    record = head_record(
+        args.name, "trainer head", args, extra, cfg, layer, feats, train, held, tok, t0,
+        ppo_epochs=cfg.ppo_epochs, minibatches=cfg.minibatches, value_clip=cfg.value_clip,
+        cv_mse={str(k): v for k, v in cv.items()}, lr=lr, **{"pass": ok},
+        held=chosen["held"], train=chosen["train"], per_lr=per_lr,
+        all_training_episodes={"steps": all_steps, "held": head_scores(h_all, feats["held"])})
     print(f"[head] layer {layer}, lr {lr:g} (CV): held-out EV turn starts "
           f"{chosen['held']['ev_turn_start']:+.3f} ({'pass' if ok else 'fail'} at "
           f"{PASS_MARK:g}), tokens {chosen['held']['ev_tokens']:+.3f}; train "
           f"{chosen['train']['ev_turn_start']:+.3f}; after all {all_steps} steps "
           f"{record['all_training_episodes']['held']['ev_turn_start']:+.3f}", flush=True)
+    return record
+
+
+def head_record(name, design, args, extra, cfg, layer, feats, train_eps, held_eps, tok, t0,
+                **fields):
+    """A `head` check's record (the fields both designs share, then theirs), written to
+    RESULTS/head_<name>.json."""
+    record = {"name": name, "commit": commit(), "flags": extra, "design": design, "layer": layer,
+              "trained_params": feats["train"][0]["x"].shape[-1] + 1, "steps": args.steps,
+              "episodes_per_step": cfg.questions_per_step * cfg.n_rollouts, **fields,
+              "n_train": len(train_eps), "n_held": len(held_eps), "cpu": cpu_name(),
+              "seconds": round(time.time() - t0, 1),
+              "reference": reference(train_eps, held_eps, tok)}
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"head_{args.name}.json").write_text(json.dumps(record, indent=1))
+    (RESULTS / f"head_{name}.json").write_text(json.dumps(record, indent=1))
     return record
 
 
@@ -682,22 +690,16 @@ def ridge_check(args, extra, cfg, layer, feats, train, held, tok, t0) -> dict:
     held_scores = head_scores(h, feats["held"])
     ok = held_scores["ev_turn_start"] >= PASS_MARK
     name = args.name if args.name != "turn_critic" else "turn_critic_ridge"
-    record = {"name": name, "commit": commit(), "flags": extra, "design": "trainer head, ridge",
-              "layer": layer, "trained_params": feats["train"][0]["x"].shape[-1] + 1,
-              "steps": args.steps, "episodes_per_step": cfg.questions_per_step * cfg.n_rollouts,
-              "lambdas": lams, "pass": ok, "held": held_scores,
-              "train": head_scores(h, feats["train"]),
-              "all_training_episodes": {"steps": all_steps, "lambdas": lams_all,
-                                        "held": head_scores(h_all, feats["held"])},
-              "n_train": len(train), "n_held": len(held), "cpu": cpu_name(),
-              "seconds": round(time.time() - t0, 1), "reference": reference(train, held, tok)}
+    record = head_record(
+        name, "trainer head, ridge", args, extra, cfg, layer, feats, train, held, tok, t0,
+        lambdas=lams, **{"pass": ok}, held=held_scores, train=head_scores(h, feats["train"]),
+        all_training_episodes={"steps": all_steps, "lambdas": lams_all,
+                               "held": head_scores(h_all, feats["held"])})
     print(f"[head] ridge refit, layer {layer}: held-out EV turn starts "
           f"{held_scores['ev_turn_start']:+.3f} ({'pass' if ok else 'fail'} at {PASS_MARK:g}), "
           f"tokens {held_scores['ev_tokens']:+.3f}, R² {held_scores['r2_turn_start']:+.3f}; "
           f"λ by step {lams}; after all {all_steps} steps "
           f"{record['all_training_episodes']['held']['ev_turn_start']:+.3f}", flush=True)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"head_{name}.json").write_text(json.dumps(record, indent=1))
     return record
 
 

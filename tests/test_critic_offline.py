@@ -259,13 +259,12 @@ def test_lower_states_are_cached_per_split_and_recomputed_for_other_episodes(tin
     assert calls
 
 
-def test_fit_runs_end_to_end_writes_its_record_and_caches_the_frozen_layers(
-        tiny, tmp_path, monkeypatch):
-    """The whole `fit` command on the tiny model (setup() is the only piece replaced: the real
-    one loads the warm-started SmolLM2)."""
+def tiny_command(tiny, tmp_path, monkeypatch, n: int) -> None:
+    """n toy episodes (one question each) in tmp_path/episodes, setup() replaced by the tiny
+    model (the real one loads the warm-started SmolLM2), records to tmp_path/results."""
     import train_min
     path, base = tiny
-    eps = toy_episodes(10)
+    eps = toy_episodes(n)
     for e in eps:
         e["position"] = e["q"] = eps.index(e)
     (tmp_path / "episodes").mkdir()
@@ -279,6 +278,13 @@ def test_fit_runs_end_to_end_writes_its_record_and_caches_the_frozen_layers(
         return cfg, torch.device("cpu"), None, tok, model, head
     monkeypatch.setattr(co, "setup", tiny_setup)
     monkeypatch.setattr(co, "RESULTS", tmp_path / "results")
+
+
+def test_fit_runs_end_to_end_writes_its_record_and_caches_the_frozen_layers(
+        tiny, tmp_path, monkeypatch):
+    """The whole `fit` command on the tiny model (setup() is the only piece replaced: the real
+    one loads the warm-started SmolLM2)."""
+    tiny_command(tiny, tmp_path, monkeypatch, 10)
     co.main(["fit", "--out", str(tmp_path), "--name", "t", "--epochs", "1", "--target", "turn",
              "--value_clip", "0.2", "--passes", "2", "--", "--lora_layers", "1"])
     record = json.loads((tmp_path / "results" / "fit_t.json").read_text())
@@ -323,22 +329,7 @@ def test_replayed_turn_critic_learns_a_readable_outcome_in_the_trainers_schedule
 
 def test_head_runs_end_to_end_chooses_its_rate_by_cv_and_caches_features(
         tiny, tmp_path, monkeypatch):
-    import train_min
-    path, base = tiny
-    eps = toy_episodes(20)
-    for e in eps:
-        e["position"] = e["q"] = eps.index(e)
-    (tmp_path / "episodes").mkdir()
-    with gzip.open(tmp_path / "episodes" / "q0000.jsonl.gz", "wt") as f:
-        f.writelines(json.dumps(e) + "\n" for e in eps)
-
-    def tiny_setup(extra, seed, out):
-        cfg = train_min.parse_config(["--preset", "tiny", "--model", path, "--out_dir",
-                                      str(base / "u"), "--load_in_4bit", "false", *extra])
-        tok, model, head = train_min.load_model(cfg, torch.device("cpu"))
-        return cfg, torch.device("cpu"), None, tok, model, head
-    monkeypatch.setattr(co, "setup", tiny_setup)
-    monkeypatch.setattr(co, "RESULTS", tmp_path / "results")
+    tiny_command(tiny, tmp_path, monkeypatch, 20)
     argv = ["head", "--out", str(tmp_path), "--steps", "3", "--", "--questions_per_step", "1",
             "--n_rollouts", "4", "--minibatches", "2"]
     record = co.main(argv)
