@@ -6,6 +6,7 @@ every table of its report, recomputed from the committed raw outcomes.
     python experiments/smol_study.py run baselines             # PPO, GRPO x seeds 0-3
     python experiments/smol_study.py run turn                  # C with --critic turn (issue 41)
     python experiments/smol_study.py report                    # tables (stdout and --out)
+    python experiments/smol_study.py report --ref mpo_beta0_turn --results R   # X − Y from C-turn
     python experiments/smol_study.py diff A.jsonl B.jsonl      # two evaluations, per question
 
 Runs go one at a time (each uses both cores), in run folders under --runs (train_min's own:
@@ -180,6 +181,11 @@ def load(results: Path) -> dict[tuple[str, int], dict]:
     return runs
 
 
+def short(v: str) -> str:
+    """A setting's short name in table headings: "A", "C-turn", "GRPO"."""
+    return LABELS[v].split(":")[0]
+
+
 def solved(x: dict) -> bool:
     """Exact match: the search environment's reward is the normalised exact match, 0 or 1."""
     return x["reward"] > 0
@@ -197,7 +203,12 @@ def gains_table(runs) -> str:
     lines = ["| setting | seeds | val EM step 0 | final | gain (mean ± SE) | per seed |",
              "|---|---|---|---|---|---|"]
     for v in LABELS:
-        cells = sorted((s, r) for (vv, s), r in runs.items() if vv == v and 0 in r["evals"])
+        cells = sorted((s, r) for (vv, s), r in runs.items() if vv == v)
+        if cells and not all(0 in r["evals"] for _, r in cells):     # no step 0: finals only
+            end = [em(final(r)) for _, r in cells]
+            lines.append(f"| {LABELS[v]} | {len(cells)} | – | {statistics.mean(end):.1f} | – | "
+                         + ", ".join(f"s{s} final {e:.1f}" for (s, _), e in zip(cells, end)) + " |")
+            continue
         if not cells:
             continue
         start = [em(r["evals"][0]) for _, r in cells]
@@ -210,9 +221,13 @@ def gains_table(runs) -> str:
 
 
 def comparisons(runs, ref: str = "mpo") -> list[dict]:
-    """A − X for every X with seeds beside A (final EM, points): the paired t-test by seed with
-    Holm's p over these comparisons, and McNemar's exact test pooled over (seed, question)."""
+    """ref − X for every X with seeds beside ref (A unless told; final EM, points): the paired
+    t-test by seed with Holm's p over these comparisons, and McNemar's exact test pooled over
+    (seed, question). A ref with no run is a ValueError."""
     from scipy import stats
+    if not any(v == ref for v, _ in runs):
+        raise ValueError(f"no run of the reference setting {ref!r} "
+                         f"(runs: {', '.join(sorted({v for v, _ in runs}))})")
     comps = []
     for v in LABELS:
         seeds = sorted(s for (vv, s) in runs if vv == v and (ref, s) in runs)
@@ -222,7 +237,7 @@ def comparisons(runs, ref: str = "mpo") -> list[dict]:
         pairs = [(fa[q], fx[q]) for fa, fx in zip(a, x) for q in fa.keys() & fx.keys()]
         b = sum(solved(qa) and not solved(qx) for qa, qx in pairs)      # A right, X wrong
         c = sum(solved(qx) and not solved(qa) for qa, qx in pairs)      # X right, A wrong
-        comps.append({"variant": v, "seeds": seeds, "n_pairs": len(pairs),
+        comps.append({"variant": v, "ref": ref, "seeds": seeds, "n_pairs": len(pairs),
                       "d": [em(fa) - em(fx) for fa, fx in zip(a, x)],
                       **grid.paired_t([em(f) for f in a], [em(f) for f in x]), "b": b, "c": c,
                       "p_mcnemar": stats.binomtest(b, b + c, 0.5).pvalue if b + c else 1.0})
@@ -233,8 +248,9 @@ def comparisons(runs, ref: str = "mpo") -> list[dict]:
 
 
 def paired_table(comps: list[dict]) -> str:
-    lines = ["| A − X | seeds | mean ± SE (points) | σ_d | paired t p | Holm p "
-             "| McNemar pooled: A only b / X only c, p |", "|---|---|---|---|---|---|---|"]
+    ref = short(comps[0]["ref"]) if comps else "A"
+    lines = [f"| {ref} − X | seeds | mean ± SE (points) | σ_d | paired t p | Holm p "
+             f"| McNemar pooled: {ref} only b / X only c, p |", "|---|---|---|---|---|---|---|"]
     for c in comps:
         spread = f" ± {c['se']:.1f} | {statistics.stdev(c['d']):.1f}" if c["n"] > 1 else " | –"
         lines.append(f"| {LABELS[c['variant']]} | {c['n']} | {c['mean']:+.1f}{spread} | "
@@ -279,10 +295,11 @@ def gates_table(runs) -> str:
     policy steps. "n/a": every step of the window had one reward for all its episodes, so no
     explained variance exists there (a run that stopped solving anything). Truncated: greedy
     validation episodes that reached the turn limit without an answer (a search loop)."""
-    lines = ["| run | EV first 5 → last 5 | EV vs R(τ) first 5 → last 5 | turn clip frac "
+    lines = ["| run | EV first 5 → last 5 | EV vs R(τ) first 5 → last 5 | EV vs R(τ) median, "
+             "policy steps | turn clip frac "
              "| sd log ρ_turn | policy steps with R = 0 | within-turn adv share, R > 0 / R = 0 "
              "| tokens/turn | turns | malformed step 0 → end | truncated step 0 → end |",
-             "|---" * 11 + "|"]
+             "|---" * 12 + "|"]
     for (v, s), r in sorted(runs.items(), key=lambda kv: (list(LABELS).index(kv[0][0]), kv[0][1])):
         rows, warm = r["rows"], r["cfg"].get("critic_warmup_steps", 0)
         live = [x for x in rows if x["step"] > warm and x.get("loss/policy_updated", 1.0)]
@@ -297,6 +314,9 @@ def gates_table(runs) -> str:
                 return "–"
             ends = [avg(key, rows[:5]), avg(key, rows[-5:])]
             return " → ".join(f"{x:+.2f}" if math.isfinite(x) else "n/a" for x in ends)
+        ev_r = [x["critic/ev_outcome"] for x in live
+                if isinstance(x.get("critic/ev_outcome"), float) and math.isfinite(x["critic/ev_outcome"])]
+        ev_med = "–" if v == "grpo" or not ev_r else f"{statistics.median(ev_r):+.2f}"
         ev0, evN = r["evals"].get(0, {}), final(r)
 
         def start_end(key):                                      # share of greedy episodes
@@ -308,7 +328,7 @@ def gates_table(runs) -> str:
 
         share = f"{avg('adv/within_turn_share', some):.3f} / {avg('adv/within_turn_share', zero):.3f}"
         lines.append(f"| {v}-s{s} | {first_last('critic/explained_variance')} | "
-                     f"{first_last('critic/ev_outcome')} | "
+                     f"{first_last('critic/ev_outcome')} | {ev_med} | "
                      f"{avg('loss/turn_clip_frac'):.3f} | {avg('loss/turn_log_ratio_std'):.3f} | "
                      f"{len(zero)} of {len(live)} | {share} | "
                      f"{avg('train/tokens_per_turn', rows):.1f} | "
@@ -339,30 +359,31 @@ def warm_start_line(runs) -> str:
                "is not every run's." if mixed else "."))
 
 
-def machines_line(runs) -> str:
-    """Which CPU ran each run's final evaluation (machine.json's last entry), and the A − X pairs
-    of a seed whose final evaluations ran on different CPUs (their per-question differences then
-    include the hardware's, docs/smol.md)."""
+def machines_line(runs, ref: str = "mpo") -> str:
+    """Which CPU ran each run's final evaluation (machine.json's last entry), and the ref − X
+    pairs of a seed whose final evaluations ran on different CPUs (their per-question differences
+    then include the hardware's, docs/smol.md)."""
     last = {k: r["machine"][-1] if r.get("machine") else "not recorded" for k, r in runs.items()}
     kinds = sorted(set(last.values()))
     parts = [f"M{i + 1} = {m}: " + ", ".join(f"{v}-s{s}" for (v, s) in sorted(runs)
                                               if last[v, s] == m) for i, m in enumerate(kinds)]
-    split = [f"{v}-s{s}" for (v, s) in sorted(runs) if v != "mpo" and ("mpo", s) in runs
-             and "not recorded" not in (last[v, s], last["mpo", s]) and last[v, s] != last["mpo", s]]
+    split = [f"{v}-s{s}" for (v, s) in sorted(runs) if v != ref and (ref, s) in runs
+             and "not recorded" not in (last[v, s], last[ref, s]) and last[v, s] != last[ref, s]]
     return ("Final evaluations by CPU: " + "; ".join(parts) + "."
-            + (f" **Evaluated on another CPU than A of their seed: {', '.join(split)}.**"
+            + (f" **Evaluated on another CPU than {short(ref)} of their seed: {', '.join(split)}.**"
                if split else ""))
 
 
 def report(args) -> str:
     runs = load(args.results)
-    comps = comparisons(runs)
+    ref = getattr(args, "ref", "mpo")
+    comps = comparisons(runs, ref)
     text = "\n\n".join([
         f"Runs: {len(runs)} ({', '.join(f'{v}-s{s}' for v, s in sorted(runs))}); "
         "validation: greedy exact match on each seed's 200 questions.",
         "### Gains over the warm-started model\n\n" + gains_table(runs) + "\n\n"
-        + warm_start_line(runs) + "\n\n" + machines_line(runs),
-        "### Paired differences from A (final evaluation)\n\n" + paired_table(comps)
+        + warm_start_line(runs) + "\n\n" + machines_line(runs, ref),
+        f"### Paired differences from {short(ref)} (final evaluation)\n\n" + paired_table(comps)
         + "\n\n" + power(comps),
         "### Mechanism gates\n\n" + gates_table(runs)])
     if args.out:
@@ -397,6 +418,8 @@ def main(argv=None) -> None:
     r.add_argument("--variants", nargs="+", choices=sorted(LABELS), help="default: the stage's")
     rep = sub.add_parser("report", help="tables from the committed results")
     rep.add_argument("--out", type=Path, default=ROOT / "docs" / "smol" / "hops_tables.md")
+    rep.add_argument("--ref", default="mpo", choices=sorted(LABELS),
+                     help="the setting every other is compared with (default mpo, A)")
     dif = sub.add_parser("diff", help="two evaluations' per-question files compared")
     dif.add_argument("files", type=Path, nargs=2)
     for q in (r, rep):

@@ -104,6 +104,27 @@ def test_table_and_report_show_the_numbers(results, tmp_path):
     assert "| A: MPO | 4 | 20.0 | 55.0 | 35.0 ± 6.5 |" in text      # gains: 20 % at step 0
 
 
+def test_report_against_another_reference_setting(results, tmp_path, capsys):
+    runs = st.load(results)
+    comps = {c["variant"]: c for c in st.comparisons(runs, "mpo_beta0")}
+    assert list(comps) == ["mpo", "mpo_token_is", "ppo"]        # seeds beside C: 0, 1 / 0, 1 / 0
+    a = comps["mpo"]                                             # C − A: 40 − 50, 80 − 60
+    assert a["seeds"] == [0, 1] and a["d"] == pytest.approx([-10, 20]) and a["ref"] == "mpo_beta0"
+    assert (a["b"], a["c"]) == (2, 1)                            # C only {6, 7} / A only {4}
+    table = st.paired_table(list(comps.values()))
+    assert table.startswith("| C − X | seeds |") and "| McNemar pooled: C only b / X only c, p |" \
+        in table.splitlines()[0]
+    with pytest.raises(ValueError, match="no run of the reference setting 'grpo'"):
+        st.comparisons(runs, "grpo")
+    write_run(results, "grpo", 5, {0, 1, 2})                     # no A beside it: no step 0
+    text = st.report(argparse.Namespace(results=results, out=None, ref="grpo"))
+    assert "### Paired differences from GRPO (final evaluation)" in text
+    assert "| GRPO | 1 | – | 30.0 | – | s5 final 30.0 |" in text
+    with pytest.raises(SystemExit):                              # argparse: exit 2, one line
+        st.main(["report", "--ref", "nope", "--results", str(results)])
+    assert "argument --ref: invalid choice: 'nope'" in capsys.readouterr().err
+
+
 def test_power_sigma_d_and_seeds_needed(results):
     comps = st.comparisons(st.load(results))
     sd = math.sqrt(500 / 3)                      # σ_d of 20, 10, 0, 30
@@ -188,19 +209,24 @@ def test_gates_table_shows_each_critic_gate_over_the_first_and_last_five_steps(r
     table = st.gates_table(st.load(results)).splitlines()
     mpo_s0 = next(x for x in table if x.startswith("| mpo-s0 |")).split(" | ")
     assert mpo_s0[1] == "+0.30 → +0.60" and mpo_s0[2] == "–"     # steps 1-5, 4-8; not logged: –
+    assert mpo_s0[3] == "–"                                       # median EV vs R: not logged
     # critic warm-up 1 step: policy steps 2-8, of which 3, 4, 6 had R = 0; shares (2+5+7+8)/400
-    assert mpo_s0[5] == "3 of 7" and mpo_s0[6] == "0.055 / 0.900"
+    assert mpo_s0[6] == "3 of 7" and mpo_s0[7] == "0.055 / 0.900"
     write_jsonl(results / "mpo-s0" / "metrics.jsonl",   # --skip_equal_rewards: steps 4 and 6
                 [{"step": s, "critic/explained_variance": s / 10,   # made no policy update
                   "train/reward": 0.0 if s in (3, 4, 6) else 0.25,
                   "adv/within_turn_share": 0.9 if s in (3, 4, 6) else s / 100,
+                  "critic/ev_outcome": s / 10 - 0.45,
                   "loss/policy_updated": 0.0 if s in (4, 6) else 1.0}
                  for s in range(1, 9)])
     skipped = next(x for x in st.gates_table(st.load(results)).splitlines()
                    if x.startswith("| mpo-s0 |")).split(" | ")
-    assert skipped[5] == "1 of 5" and skipped[6] == "0.055 / 0.900"
+    assert skipped[6] == "1 of 5" and skipped[7] == "0.055 / 0.900"
+    # median EV vs R(τ) over the policy steps only (2, 3, 5, 7, 8: not the warm-up step 1, not
+    # the steps without an update): s / 10 − 0.45 at step 5 is +0.05
+    assert skipped[3] == "+0.05"
     b_s1 = next(x for x in table if x.startswith("| mpo_token_is-s1 |")).split(" | ")
-    assert b_s1[2] == "-0.50 → -0.50"
+    assert b_s1[2] == "-0.50 → -0.50" and b_s1[3] == "-0.50"
     assert b_s1[-2] == "0% → 0%" and b_s1[-1] == "0% → 0% |"        # malformed, truncated
     # a run that stopped solving: EV vs R(τ) is NaN on its last 5 of 8 steps (one reward for
     # all), and 3 of its 10 final greedy episodes hit the turn limit
@@ -213,6 +239,7 @@ def test_gates_table_shows_each_critic_gate_over_the_first_and_last_five_steps(r
     b_s1 = next(x for x in st.gates_table(st.load(results)).splitlines()
                 if x.startswith("| mpo_token_is-s1 |")).split(" | ")
     assert b_s1[2] == "-0.50 → n/a" and b_s1[-1] == "0% → 30% |"
+    assert b_s1[3] == "-0.50"                                     # NaN steps left out
     assert len(table[0].split(" | ")) == len(mpo_s0)                           # one cell a column
     write_run(results, "grpo", 5, {0})            # a seed without A's step-0 evaluation
     lone = next(x for x in st.gates_table(st.load(results)).splitlines()
