@@ -29,6 +29,8 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import math
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -579,24 +581,58 @@ def replay_head(rows: list[dict], cfg, lr: float, steps: int, seed: int):
     return head
 
 
-def replay_ridge(rows: list[dict], cfg, steps: int, seed: int):
+def turn_lambda_returns(v: torch.Tensor, R: float, lam: float) -> torch.Tensor:
+    """One episode's turn λ-returns G_t = V_t + A^turn_t (γ = 1, the outcome R after the last
+    turn, V_K = 0): what train_min refits --critic turn on, from the head's own values (K,)."""
+    g, adv = torch.zeros_like(v), 0.0
+    for t in reversed(range(len(v))):
+        nxt = v[t + 1] if t + 1 < len(v) else 0.0
+        adv = (R if t + 1 == len(v) else 0.0) + nxt - v[t] + lam * adv
+        g[t] = v[t] + adv
+    return g
+
+
+def replay_order(rows: list[dict], seed: int, grouped: bool) -> list[int]:
+    """The episodes' order in a replay: shuffled one by one (so a batch mixes ~16 questions), or
+    (grouped) questions shuffled with each question's episodes together, as the trainer's batches
+    are (questions_per_step questions x n_rollouts: their first turn starts are one state)."""
+    g = torch.Generator().manual_seed(seed)
+    if not grouped:
+        return torch.randperm(len(rows), generator=g).tolist()
+    qs = sorted({r["position"] for r in rows})
+    return [i for k in torch.randperm(len(qs), generator=g).tolist()
+            for i, r in enumerate(rows) if r["position"] == qs[k]]
+
+
+def replay_ridge(rows: list[dict], cfg, steps: int, seed: int, target: str = "R",
+                 grouped: bool = False):
     """The second design of design.md, train_min's --critic turn head (TurnValueHead): the same
     schedule as replay_head, but at each step the batch's turn starts join the head's buffer and
-    it is refitted in closed form (TurnValueHead.refit). Returns the head and each step's λ."""
+    it is refitted in closed form (TurnValueHead.refit), on R(τ) or (target "lambda") on the turn
+    λ-returns from the head's values before the refit, as in training; episodes in
+    replay_order. Returns the head, each
+    step's λ and each step's fresh-batch EV against R(τ) before its refit (the trainer's
+    `critic/ev_outcome`: token-weighted; NaN on a batch with one reward for all)."""
     import train_min
     head = train_min.TurnValueHead(rows[0]["x"].shape[-1], layer=0)
     per_step = cfg.questions_per_step * cfg.n_rollouts
-    order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed)).tolist()
-    lams = []
+    order = replay_order(rows, seed, grouped)
+    lams, fresh = [], []
     for s in range(steps):
         batch = [rows[i] for i in order[s * per_step:(s + 1) * per_step]]
         if not batch:
             break
         x = torch.cat([r["x"][0] for r in batch])
-        head.stats.observe(x)
-        y = torch.cat([torch.full((r["x"].shape[1],), float(r["R"])) for r in batch])
+        head.stats.observe(x)                   # as score_batch: observe, then the values
+        fresh.append(head_scores(head, batch)["ev_tokens"])
+        if target == "lambda":
+            with torch.no_grad():
+                y = torch.cat([turn_lambda_returns(head(r["x"][0]).double(), float(r["R"]),
+                                                   cfg.lam) for r in batch])
+        else:
+            y = torch.cat([torch.full((r["x"].shape[1],), float(r["R"])) for r in batch])
         lams.append(head.refit(x, y))
-    return head, lams
+    return head, lams, fresh
 
 
 def head_scores(head, rows: list[dict]) -> dict:
@@ -610,7 +646,8 @@ def head_scores(head, rows: list[dict]) -> dict:
 
     def wvar(x):
         return (n * (x - (n * x).sum() / n.sum()) ** 2).sum() / n.sum()
-    return {"ev_turn_start": ev(v, y), "ev_tokens": float(1 - wvar(y - v) / wvar(y)),
+    ev_tokens = float(1 - wvar(y - v) / wvar(y)) if wvar(y) > 0 else float("nan")
+    return {"ev_turn_start": ev(v, y), "ev_tokens": ev_tokens,
             "r2_turn_start": float(1 - ((y - v) ** 2).mean() / y.var(unbiased=False)),
             "sd_v": float(v.std())}
 
@@ -684,21 +721,31 @@ def head_record(name, design, args, extra, cfg, layer, feats, train_eps, held_ep
 
 def ridge_check(args, extra, cfg, layer, feats, train, held, tok, t0) -> dict:
     """head --head_fit ridge: replay_ridge over --steps, held-out EV against the pass mark."""
-    h, lams = replay_ridge(feats["train"], cfg, args.steps, args.seed)
+    h, lams, fresh = replay_ridge(feats["train"], cfg, args.steps, args.seed, args.head_target,
+                                  args.grouped)
     all_steps = -(-len(train) // (cfg.questions_per_step * cfg.n_rollouts))
-    h_all, lams_all = replay_ridge(feats["train"], cfg, all_steps, args.seed)
+    h_all, lams_all, _ = replay_ridge(feats["train"], cfg, all_steps, args.seed, args.head_target,
+                                      args.grouped)
     held_scores = head_scores(h, feats["held"])
     ok = held_scores["ev_turn_start"] >= PASS_MARK
-    name = args.name if args.name != "turn_critic" else "turn_critic_ridge"
+    name = args.name if args.name != "turn_critic" else (
+        "turn_critic_ridge" + ("_lambda" if args.head_target == "lambda" else "")
+        + ("_grouped" if args.grouped else ""))
+    live = [x for x in fresh[cfg.critic_warmup_steps:] if math.isfinite(x)]
     record = head_record(
         name, "trainer head, ridge", args, extra, cfg, layer, feats, train, held, tok, t0,
+        target={"R": "R(τ)", "lambda": f"turn λ-return (λ = {cfg.lam})"}[args.head_target],
+        batches="by question (as the trainer's)" if args.grouped else "episodes shuffled",
         lambdas=lams, **{"pass": ok}, held=held_scores, train=head_scores(h, feats["train"]),
+        fresh_batch_ev=fresh, fresh_batch_ev_median_after_warmup=(
+            statistics.median(live) if live else float("nan")),
         all_training_episodes={"steps": all_steps, "lambdas": lams_all,
                                "held": head_scores(h_all, feats["held"])})
     print(f"[head] ridge refit, layer {layer}: held-out EV turn starts "
           f"{held_scores['ev_turn_start']:+.3f} ({'pass' if ok else 'fail'} at {PASS_MARK:g}), "
           f"tokens {held_scores['ev_tokens']:+.3f}, R² {held_scores['r2_turn_start']:+.3f}; "
-          f"λ by step {lams}; after all {all_steps} steps "
+          f"λ by step {lams}; fresh-batch EV median after the warm-up "
+          f"{record['fresh_batch_ev_median_after_warmup']:+.3f}; after all {all_steps} steps "
           f"{record['all_training_episodes']['held']['ev_turn_start']:+.3f}", flush=True)
     return record
 
@@ -782,7 +829,11 @@ def report(args, extra: list[str]) -> str:
         else:                                   # the second: train_min's --critic turn head
             design = (f"train_min's `--critic turn` head: frozen layer {r['layer']}, running "
                       f"standardisation, ridge refit each step on every turn start seen, λ by "
-                      f"leave-one-out (last {r['lambdas'][-1]:g}), {schedule}, target turn")
+                      f"leave-one-out (last {r['lambdas'][-1]:g}), {schedule}, "
+                      f"{r.get('batches', 'episodes shuffled')}, target {r.get('target', 'R(τ)')}"
+                      + (f"; each fresh batch's EV before its refit: median "
+                         f"{r['fresh_batch_ev_median_after_warmup']:+.3f} after the warm-up"
+                         if "fresh_batch_ev_median_after_warmup" in r else ""))
             best_cell = "–"
         lines.append(
             f"| {r['name']} | {design} | {r['trained_params']} | {r['steps']} steps | "
@@ -827,6 +878,12 @@ def main(argv=None):
     p.add_argument("--head_fit", choices=["sgd", "ridge"], default="sgd",
                    help="head: the trainer's AdamW steps, or a ridge refit on every turn start "
                         "seen, each step")
+    p.add_argument("--head_target", choices=["R", "lambda"], default="R",
+                   help="head --head_fit ridge: refit on R(τ), or on the turn λ-returns from the "
+                        "head's own values as train_min does")
+    p.add_argument("--grouped", action="store_true",
+                   help="head --head_fit ridge: batches of whole questions (each question's "
+                        "episodes together), as the trainer's are")
     p.add_argument("--steps", type=int, default=24,
                    help="head: trainer steps to replay (smol_hops: 24)")
     p.add_argument("--layers", type=int, nargs="*", default=None,

@@ -322,9 +322,32 @@ def test_replayed_turn_critic_learns_a_readable_outcome_in_the_trainers_schedule
     assert co.head_scores(trained, held)["ev_turn_start"] > 0.3
     untrained = co.replay_head(train, cfg, 0.0, steps=24, seed=0)
     assert co.head_scores(untrained, held)["sd_v"] == 0.0   # lr 0: the zero head stays at 0
-    ridge, lams = co.replay_ridge(train, cfg, steps=24, seed=0)     # train_min's head
+    ridge, lams, fresh = co.replay_ridge(train, cfg, steps=24, seed=0)     # train_min's head
     assert len(lams) == 24 and int(ridge.n_seen) == 384 * 3
     assert co.head_scores(ridge, held)["ev_turn_start"] > 0.3
+    # the fresh-batch EV before each refit: 0 for the zero head on its first batch, then the
+    # refitted head predicts each next batch (the trainer's critic/ev_outcome gate)
+    assert len(fresh) == 24 and fresh[0] == pytest.approx(0.0) and min(fresh[4:]) > 0.2
+    lam_head, _, lam_fresh = co.replay_ridge(train, cfg, steps=24, seed=0, target="lambda")
+    assert int(lam_head.n_seen) == 384 * 3 and lam_fresh[0] == pytest.approx(0.0)
+    assert not torch.equal(lam_head.linear.weight, ridge.linear.weight)
+    order = co.replay_order(train, 0, grouped=True)          # head_rows: one question each
+    assert sorted(order) == list(range(384))
+
+
+def test_grouped_replay_keeps_each_questions_episodes_together():
+    rows = [{"position": q} for q in (0, 0, 1, 1, 2, 2)]
+    order = co.replay_order(rows, 3, grouped=True)
+    assert sorted(order) == list(range(6))
+    assert all(rows[order[i]]["position"] == rows[order[i + 1]]["position"] for i in (0, 2, 4))
+
+
+def test_turn_lambda_returns_by_hand():
+    v = torch.tensor([0.2, 0.5], dtype=torch.float64)
+    # A_1 = 1 − 0.5 = 0.5, G_1 = 1.0; A_0 = 0.5 − 0.2 + 0.8 · 0.5 = 0.7, G_0 = 0.9
+    assert co.turn_lambda_returns(v, 1.0, 0.8).tolist() == pytest.approx([0.9, 1.0])
+    assert co.turn_lambda_returns(v, 1.0, 1.0).tolist() == pytest.approx([1.0, 1.0])  # MC: R
+    assert co.turn_lambda_returns(v, 0.0, 0.0).tolist() == pytest.approx([0.5, 0.0])  # TD(0)
 
 
 def test_head_runs_end_to_end_chooses_its_rate_by_cv_and_caches_features(
