@@ -491,14 +491,28 @@ class RunningMoments(torch.nn.Module):
 
 
 @torch.no_grad()
-def turn_features(model, ids, attn, turn_ids, layer: int, num_turns: int) -> torch.Tensor:
+def turn_features(model, ids, attn, turn_ids, layer: int, num_turns: int, upto: int = 0):
     """train_min's --critic turn: the frozen model's hidden state after `layer` decoder layers at
-    the token before each turn (where V_{t,1} is read), (B, K, H); 0 where a row has no turn k."""
+    the token before each turn (where V_{t,1} is read), (B, K, H), 0 where a row has no turn k;
+    and the state after `upto` frozen layers (train_min.frozen_states'), (B, T, H), or None when
+    upto is 0. One pass gives both when layer <= upto (SmolLM2: 16 <= 22)."""
     pos, mask = mpo.turn_start_positions(turn_ids, num_turns, validate=False)   # (B, K)
-    with model.disable_adapter(), decoder_layers(model, 0, layer) as lower:
+    with model.disable_adapter(), decoder_layers(model, 0, min(layer, upto or layer)) as lower:
         h = lower(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state
+    if 0 < upto < layer:                 # frozen_states' layers end below the critic's
+        h, below = lower_continued(model, h, attn, upto, layer), h
+    else:
+        h, below = h, (lower_continued(model, h, attn, layer, upto) if upto else None)
     x = h.gather(1, (pos - 1).clamp(min=0)[..., None].expand(-1, -1, h.shape[-1]))
-    return x * mask[..., None]                                                 # (B, K, H)
+    return x * mask[..., None], below                                # (B, K, H), (B, T, H)
+
+
+def lower_continued(model, h, attn, lo: int, hi: int) -> torch.Tensor:
+    """Frozen decoder layers lo..hi-1 applied to the hidden state h after layer lo: (B, T, H)."""
+    if lo == hi:                         # nothing to run (and no second final norm at the top)
+        return h
+    with model.disable_adapter(), decoder_layers(model, lo, hi) as mid:
+        return mid(inputs_embeds=h, attention_mask=attn, use_cache=False).last_hidden_state
 
 
 RIDGE_LAMBDAS = tuple(10.0 ** k for k in range(-1, 6))     # the offline probe's grid

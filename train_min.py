@@ -515,7 +515,11 @@ def score_batch(model, value_head, batch, cfg: Config) -> None:
     for micro in (m for mb in batch["plan"] for m in mb):
         ids, attn, tid, _ = micro_inputs(batch, micro)
         width = ids.shape[1]
-        h = frozen_states(model, ids, attn)           # None unless --lora_layers
+        if cfg.critic == "turn":            # the critic's layer and frozen_states' in one pass
+            batch["turn_x"][micro], h = turn_features(model, ids, attn, tid, value_head.layer, K,
+                                                      upto=first_adapted_layer(model))
+        else:
+            h = frozen_states(model, ids, attn)       # None unless --lora_layers
         if h is not None:
             if batch["frozen"] is None:
                 batch["frozen"] = h.new_zeros(*shape, h.shape[-1])                # (B, T, H)
@@ -523,9 +527,7 @@ def score_batch(model, value_head, batch, cfg: Config) -> None:
         use_adapter(model, "policy")
         old_logp[micro, :width] = token_logprobs(model, ids, attn, tid >= 0, cfg.temperature,
                                                  h)[0]
-        if cfg.critic == "turn":
-            batch["turn_x"][micro] = turn_features(model, ids, attn, tid, value_head.layer, K)
-        elif cfg.uses_critic:
+        if cfg.critic == "token" and cfg.uses_critic:
             use_adapter(model, "critic")
             v = token_values(model, value_head, ids, attn, h)                   # (m, w)
             if values is None:

@@ -248,8 +248,8 @@ def test_turn_features_are_the_frozen_layer_before_each_turn(tiny_path, base):
     attn = torch.ones_like(ids)
     tid = torch.full((2, 24), -1)
     tid[0, 5:9], tid[0, 12:20], tid[1, 3:10] = 0, 1, 0
-    x = train_min.turn_features(model, ids, attn, tid, head.layer, num_turns=3)
-    assert x.shape == (2, 3, model.config.hidden_size)
+    x, below = train_min.turn_features(model, ids, attn, tid, head.layer, num_turns=3)
+    assert x.shape == (2, 3, model.config.hidden_size) and below is None
     with torch.no_grad(), model.disable_adapter():
         hs = model.get_base_model().get_decoder()(input_ids=ids, attention_mask=attn,
                                                   output_hidden_states=True).hidden_states
@@ -257,6 +257,13 @@ def test_turn_features_are_the_frozen_layer_before_each_turn(tiny_path, base):
     for b, k, p in ((0, 0, 5), (0, 1, 12), (1, 0, 3)):
         assert torch.allclose(x[b, k], ref[b, p - 1], atol=1e-5), (b, k)
     assert not x[1, 1:].any() and not x[0, 2].any()                     # absent turns: 0
+    # with upto, frozen_states' layers come from the same pass (or a second one when the
+    # critic's layer is above them): the features are unchanged and `below` is hidden_states[upto]
+    for layer, upto in ((head.layer, head.layer), (head.layer, 1), (1, n_layers)):
+        alone = train_min.turn_features(model, ids, attn, tid, layer, 3)[0]
+        x2, below = train_min.turn_features(model, ids, attn, tid, layer, 3, upto=upto)
+        assert torch.equal(x2, alone) and below.shape == (2, 24, model.config.hidden_size)
+        assert torch.allclose(below, hs[upto], atol=1e-5), (layer, upto)
     train_min.use_adapter(model, "policy")
     with torch.no_grad():                                 # the policy's own states differ there
         hp = model.get_base_model().get_decoder()(input_ids=ids, attention_mask=attn,
@@ -264,6 +271,27 @@ def test_turn_features_are_the_frozen_layer_before_each_turn(tiny_path, base):
     assert not torch.allclose(hp[-1], hs[-1])
     with pytest.raises(train_min.ConfigError, match=f"--critic_layer must be in 1..{n_layers}"):
         train_min.load_model(turn_cfg(tiny_path, base, "--critic_layer", str(n_layers + 1)), CPU)
+
+
+def test_score_batch_takes_the_frozen_layers_and_the_turn_features_from_one_pass(tiny_path,
+                                                                                   base):
+    """With --lora_layers, score_batch's frozen states (reused by every epoch) and the turn
+    critic's features come from one pass: both equal what their separate passes give."""
+    cfg = turn_cfg(tiny_path, base, "--lora_layers", "1", "--critic_layer", "1")
+    tok, model, head = train_min.load_model(cfg, CPU)
+    assert train_min.first_adapted_layer(model) == 1
+    torch.manual_seed(0)
+    suite = train_min.make_suite(cfg)
+    batch = train_min.collate(train_min.rollout(model, tok, suite, suite.train[:2], cfg, 2),
+                              tok.pad_token_id, CPU)
+    train_min.score_batch(model, head, batch, cfg)
+    K = int(batch["turn_ids"].max()) + 1
+    for micro in (m for mb in batch["plan"] for m in mb):
+        ids, attn, tid, _ = train_min.micro_inputs(batch, micro)
+        assert torch.equal(batch["frozen"][micro, :ids.shape[1]],
+                           train_min.frozen_states(model, ids, attn))
+        assert torch.equal(batch["turn_x"][micro],
+                           train_min.turn_features(model, ids, attn, tid, 1, K)[0])
 
 
 def test_a_turn_critic_update_refits_the_head_on_turn_start_targets(tiny_path, base):
