@@ -583,13 +583,12 @@ def replay_head(rows: list[dict], cfg, lr: float, steps: int, seed: int):
 
 def turn_lambda_returns(v: torch.Tensor, R: float, lam: float) -> torch.Tensor:
     """One episode's turn λ-returns G_t = V_t + A^turn_t (γ = 1, the outcome R after the last
-    turn, V_K = 0): what train_min refits --critic turn on, from the head's own values (K,)."""
-    g, adv = torch.zeros_like(v), 0.0
-    for t in reversed(range(len(v))):
-        nxt = v[t + 1] if t + 1 < len(v) else 0.0
-        adv = (R if t + 1 == len(v) else 0.0) + nxt - v[t] + lam * adv
-        g[t] = v[t] + adv
-    return g
+    turn, V_K = 0): what train_min refits --critic turn on, from the head's own values (K,).
+    A^turn is mpo.turn_gae on the turn residuals δ^turn_t = r_t + V_{t+1} − V_t."""
+    import mpo
+    delta = torch.cat([v[1:], v.new_zeros(1)]) - v                             # (K,)
+    delta[-1] += R
+    return v + mpo.turn_gae(delta[None], torch.ones_like(delta, dtype=torch.bool)[None], lam)[0]
 
 
 def replay_order(rows: list[dict], seed: int, grouped: bool) -> list[int]:
