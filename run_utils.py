@@ -518,11 +518,12 @@ def lower_continued(model, h, attn, lo: int, hi: int) -> torch.Tensor:
 RIDGE_LAMBDAS = tuple(10.0 ** k for k in range(-1, 6))     # the offline probe's grid
 
 
-def ridge_loo(z: torch.Tensor, y: torch.Tensor,
-              lambdas=RIDGE_LAMBDAS) -> tuple[torch.Tensor, float]:
+def ridge_loo(z: torch.Tensor, y: torch.Tensor, lambdas=RIDGE_LAMBDAS,
+              groups: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
     """Ridge regression of y (n,) on z (n, p) with a free intercept, min ‖b + z w − y‖² + λ‖w‖²,
-    λ chosen by exact leave-one-out error, mean (e_i / (1 − H_ii))² (H the hat matrix); returns
-    ([b, w] (p + 1,), λ). train_min.TurnValueHead's refit (--critic turn)."""
+    λ chosen by exact leave-one-out error, mean (e_i / (1 − H_ii))² (H the hat matrix), or, with
+    `groups` (n,) ids, by exact leave-one-group-out error: group g's held-out residuals are
+    (I − H_gg)⁻¹ e_g. Returns ([b, w] (p + 1,), λ). TurnValueHead's refit (--critic turn)."""
     X = torch.cat([torch.ones_like(z[:, :1]), z], 1)                          # (n, p + 1)
     gram, xty, best = X.T @ X, X.T @ y, None
     free = torch.ones(X.shape[1], dtype=X.dtype, device=X.device)
@@ -530,11 +531,67 @@ def ridge_loo(z: torch.Tensor, y: torch.Tensor,
     for lam in lambdas:
         inv = torch.linalg.inv(gram + torch.diag(lam * free))
         coef = inv @ xty
-        hat = ((X @ inv) * X).sum(1)                                           # H_ii
-        loo = float((((y - X @ coef) / (1 - hat).clamp(min=1e-9)) ** 2).mean())
+        e = y - X @ coef                                                       # (n,) residuals
+        if groups is None:
+            hat = ((X @ inv) * X).sum(1)                                       # H_ii
+            held = e / (1 - hat).clamp(min=1e-9)
+        else:
+            held = torch.empty_like(e)
+            for g in groups.unique():
+                i = groups == g
+                h_gg = X[i] @ inv @ X[i].T                                     # (n_g, n_g)
+                held[i] = torch.linalg.solve(torch.eye(len(h_gg), dtype=X.dtype) - h_gg, e[i])
+        loo = float((held ** 2).mean())
         if best is None or loo < best[0]:
             best = (loo, coef, lam)
     return best[1], best[2]
+
+
+class TurnValueHead(torch.nn.Module):
+    """--critic turn (§12): V_{t,1} = w·z + b, z the frozen model's hidden state after `layer`
+    decoder layers at the token before turn t, standardised by the running mean and variance of
+    every turn start seen. No gradient: after each batch (w, b) is refitted in closed form on the
+    last `capacity` turn starts and their targets (ridge, its strength by exact leave-one-out,
+    or with cv="question" leave-one-question-out; offline: held-out EV +0.18, AdamW steps +0.03,
+    docs/smol.md). All state is in buffers."""
+
+    def __init__(self, hidden: int, layer: int, capacity: int = 4096, cv: str = "row"):
+        super().__init__()
+        if cv not in ("row", "question"):
+            raise ValueError(f"TurnValueHead: cv must be 'row' or 'question', got {cv!r}")
+        self.layer, self.cv = layer, cv
+        self.linear = torch.nn.Linear(hidden, 1).requires_grad_(False)
+        torch.nn.init.zeros_(self.linear.weight)                      # V = 0 before the first refit
+        torch.nn.init.zeros_(self.linear.bias)
+        self.stats = RunningMoments(hidden)     # .observe(x) once per batch, .standardise(x)
+        for name, shape, dtype in (("seen_x", (capacity, hidden), None), ("seen_g", capacity, None),
+                                   ("n_seen", (), torch.long), ("lam", (), torch.float64)) + (
+                                   (("seen_q", capacity, torch.long),) if cv == "question" else ()):
+            self.register_buffer(name, torch.zeros(shape, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:                         # (..., H) -> (...)
+        return self.linear(self.stats.standardise(x).float()).squeeze(-1)
+
+    @torch.no_grad()
+    def refit(self, x: torch.Tensor, g: torch.Tensor,          # (N, H) turn starts, (N,) targets
+              q: torch.Tensor | None = None) -> float:     # (N,) question ids (cv "question")
+        if (q is None) != (self.cv == "row"):
+            raise ValueError(f"TurnValueHead(cv={self.cv!r}).refit: question ids q are given "
+                             f"exactly when cv is 'question'")
+        cap = len(self.seen_g)
+        x, g = x[-cap:], g[-cap:]                                  # the oldest rows make room
+        at = (self.n_seen + torch.arange(len(g), device=g.device)) % cap
+        self.seen_x[at], self.seen_g[at] = x.float(), g.float()
+        if q is not None:
+            self.seen_q[at] = q[-cap:].long()
+        self.n_seen += len(g)
+        n = int(min(self.n_seen, cap))
+        coef, lam = ridge_loo(self.stats.standardise(self.seen_x[:n]), self.seen_g[:n].double(),
+                              groups=self.seen_q[:n] if q is not None else None)
+        self.linear.bias.copy_(coef[:1])
+        self.linear.weight.copy_(coef[None, 1:])
+        self.lam.fill_(lam)
+        return lam
 
 
 # --- seeding, RNG states and checkpoints -------------------------------------------------------

@@ -47,11 +47,11 @@ import presets
 from search_env import Suite, search_suite
 # run_utils: the plumbing; some names only re-exported (tests and experiments use train_min.X)
 from run_utils import (LOGPROB_CHUNK, LORA_TARGETS, ConfigError, MetricsLog, RunLock,
-                       RunningMoments, StopFlag, check_out_dir, chunk_logprobs, critic_gates,
+                       StopFlag, TurnValueHead, check_out_dir, chunk_logprobs, critic_gates,
                        decoder_layers, episode_stats, eval_config, eval_only, first_adapted_layer,
                        free_cached, get_peft_model, load_base_model, load_tokenizer, log_line,
                        micro_batches, observation_ids, parse_with_presets, phase_timer,
-                       questions_at, render_ids, resume, ridge_loo, run_summary, save_checkpoint,
+                       questions_at, render_ids, resume, run_summary, save_checkpoint,
                        seed_everything, setup_device, start_step, step_metrics, turn_features,
                        write_outcomes)
 # sampling: the softmax only (generation_config, checked), where a turn ends (TurnEnd: stop
@@ -220,41 +220,6 @@ class ValueHead(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return self.linear(h.float()).squeeze(-1)                              # (B, T)
-
-
-class TurnValueHead(nn.Module):
-    """--critic turn (§12): V_{t,1} = w·z + b, z the frozen model's hidden state after `layer`
-    decoder layers at the token before turn t, standardised by the running mean and variance of
-    every turn start seen. No gradient: after each batch (w, b) is refitted in closed form on the
-    last `capacity` turn starts and their targets (ridge, its strength by exact leave-one-out;
-    offline: held-out EV +0.18, AdamW steps +0.03, docs/smol.md). All state is in buffers."""
-
-    def __init__(self, hidden: int, layer: int, capacity: int = 4096):
-        super().__init__()
-        self.layer, self.linear = layer, nn.Linear(hidden, 1).requires_grad_(False)
-        nn.init.zeros_(self.linear.weight)                      # V = 0 before the first refit
-        nn.init.zeros_(self.linear.bias)
-        self.stats = RunningMoments(hidden)     # .observe(x) once per batch, .standardise(x)
-        for name, shape, dtype in (("seen_x", (capacity, hidden), None), ("seen_g", capacity, None),
-                                   ("n_seen", (), torch.long), ("lam", (), torch.float64)):
-            self.register_buffer(name, torch.zeros(shape, dtype=dtype))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:                         # (..., H) -> (...)
-        return self.linear(self.stats.standardise(x).float()).squeeze(-1)
-
-    @torch.no_grad()
-    def refit(self, x: torch.Tensor, g: torch.Tensor) -> float:    # (N, H) turn starts, (N,) G
-        cap = len(self.seen_g)
-        x, g = x[-cap:], g[-cap:]                                  # the oldest rows make room
-        at = (self.n_seen + torch.arange(len(g), device=g.device)) % cap
-        self.seen_x[at], self.seen_g[at] = x.float(), g.float()
-        self.n_seen += len(g)
-        n = int(min(self.n_seen, cap))
-        coef, lam = ridge_loo(self.stats.standardise(self.seen_x[:n]), self.seen_g[:n].double())
-        self.linear.bias.copy_(coef[:1])
-        self.linear.weight.copy_(coef[None, 1:])
-        self.lam.fill_(lam)
-        return lam
 
 
 def load_model(cfg: Config, device: torch.device):

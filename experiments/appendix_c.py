@@ -12,6 +12,9 @@ nn.Linear initialisation (seed 0): the structure the base model's hidden states 
 the check §9 asks for (the trained critic against one that learned nothing). Pass a PPO run
 next to an MPO run (same preset) to compare the two critics on the same trajectories.
 
+A `--critic turn` run's critic (V_{t,1} on every token of turn t) has a between-turn share of 1
+by construction; its row's information is the EV against R(τ), on questions it never trained on.
+
 --last scores only each run's latest checkpoint (the final critics, the §9 check on what
 training ended with) instead of every saved one: one scoring pass per run, no pooled row.
 
@@ -77,6 +80,9 @@ def main(argv=None) -> str:
         raise SystemExit("appendix_c.py: --episodes must be >= 1")
     device = torch.device("cpu")
     cfg0 = run_config(args.runs[0])
+    if args.fresh and cfg0.critic == "turn":
+        raise SystemExit("appendix_c.py: --fresh draws a token critic's head; a --critic turn "
+                         "run has none to draw (its values are constant within a turn)")
     suite = tm.make_suite(cfg0)
     tok, model, value_head = tm.load_model(cfg0, device)
     first = run_utils.latest_checkpoint(args.runs[0])

@@ -604,16 +604,17 @@ def replay_order(rows: list[dict], seed: int, grouped: bool) -> list[int]:
 
 
 def replay_ridge(rows: list[dict], cfg, steps: int, seed: int, target: str = "R",
-                 grouped: bool = False):
-    """The second design of design.md, train_min's --critic turn head (TurnValueHead): the same
-    schedule as replay_head, but at each step the batch's turn starts join the head's buffer and
-    it is refitted in closed form (TurnValueHead.refit), on R(τ) or (target "lambda") on the turn
-    λ-returns from the head's values before the refit, as in training; episodes in
-    replay_order. Returns the head, each
-    step's λ and each step's fresh-batch EV against R(τ) before its refit (the trainer's
-    `critic/ev_outcome`: token-weighted; NaN on a batch with one reward for all)."""
-    import train_min
-    head = train_min.TurnValueHead(rows[0]["x"].shape[-1], layer=0)
+                 grouped: bool = False, cv: str = "row"):
+    """The second design of design.md, train_min's --critic turn head (run_utils.TurnValueHead):
+    the same schedule as replay_head, but at each step the batch's turn starts join the head's
+    buffer and it is refitted in closed form (TurnValueHead.refit), on R(τ) or (target "lambda")
+    on the turn λ-returns from the head's values before the refit, as in training; episodes in
+    replay_order; the ridge strength by leave-one-out over turn starts (cv "row", the trainer's)
+    or over whole questions (cv "question"). Returns the head, each step's λ and each step's
+    fresh-batch EV against R(τ) before its refit (the trainer's `critic/ev_outcome`:
+    token-weighted; NaN on a batch with one reward for all)."""
+    import run_utils
+    head = run_utils.TurnValueHead(rows[0]["x"].shape[-1], layer=0, cv=cv)
     per_step = cfg.questions_per_step * cfg.n_rollouts
     order = replay_order(rows, seed, grouped)
     lams, fresh = [], []
@@ -630,7 +631,8 @@ def replay_ridge(rows: list[dict], cfg, steps: int, seed: int, target: str = "R"
                                                    cfg.lam) for r in batch])
         else:
             y = torch.cat([torch.full((r["x"].shape[1],), float(r["R"])) for r in batch])
-        lams.append(head.refit(x, y))
+        q = torch.cat([torch.full((r["x"].shape[1],), r["position"]) for r in batch])
+        lams.append(head.refit(x, y, q if cv == "question" else None))
     return head, lams, fresh
 
 
@@ -721,20 +723,21 @@ def head_record(name, design, args, extra, cfg, layer, feats, train_eps, held_ep
 def ridge_check(args, extra, cfg, layer, feats, train, held, tok, t0) -> dict:
     """head --head_fit ridge: replay_ridge over --steps, held-out EV against the pass mark."""
     h, lams, fresh = replay_ridge(feats["train"], cfg, args.steps, args.seed, args.head_target,
-                                  args.grouped)
+                                  args.grouped, args.cv)
     all_steps = -(-len(train) // (cfg.questions_per_step * cfg.n_rollouts))
     h_all, lams_all, _ = replay_ridge(feats["train"], cfg, all_steps, args.seed, args.head_target,
-                                      args.grouped)
+                                      args.grouped, args.cv)
     held_scores = head_scores(h, feats["held"])
     ok = held_scores["ev_turn_start"] >= PASS_MARK
     name = args.name if args.name != "turn_critic" else (
         "turn_critic_ridge" + ("_lambda" if args.head_target == "lambda" else "")
-        + ("_grouped" if args.grouped else ""))
+        + ("_grouped" if args.grouped else "") + ("_loqo" if args.cv == "question" else ""))
     live = [x for x in fresh[cfg.critic_warmup_steps:] if math.isfinite(x)]
     record = head_record(
         name, "trainer head, ridge", args, extra, cfg, layer, feats, train, held, tok, t0,
         target={"R": "R(τ)", "lambda": f"turn λ-return (λ = {cfg.lam})"}[args.head_target],
         batches="by question (as the trainer's)" if args.grouped else "episodes shuffled",
+        cv={"row": "leave one turn start out", "question": "leave one question out"}[args.cv],
         lambdas=lams, **{"pass": ok}, held=held_scores, train=head_scores(h, feats["train"]),
         fresh_batch_ev=fresh, fresh_batch_ev_median_after_warmup=(
             statistics.median(live) if live else float("nan")),
@@ -828,7 +831,8 @@ def report(args, extra: list[str]) -> str:
         else:                                   # the second: train_min's --critic turn head
             design = (f"train_min's `--critic turn` head: frozen layer {r['layer']}, running "
                       f"standardisation, ridge refit each step on every turn start seen, λ by "
-                      f"leave-one-out (last {r['lambdas'][-1]:g}), {schedule}, "
+                      f"{r.get('cv', 'leave one turn start out')} (last {r['lambdas'][-1]:g}), "
+                      f"{schedule}, "
                       f"{r.get('batches', 'episodes shuffled')}, target {r.get('target', 'R(τ)')}"
                       + (f"; each fresh batch's EV before its refit: median "
                          f"{r['fresh_batch_ev_median_after_warmup']:+.3f} after the warm-up"
@@ -883,6 +887,9 @@ def main(argv=None):
     p.add_argument("--grouped", action="store_true",
                    help="head --head_fit ridge: batches of whole questions (each question's "
                         "episodes together), as the trainer's are")
+    p.add_argument("--cv", choices=["row", "question"], default="row",
+                   help="head --head_fit ridge: the ridge strength by leave-one-out over turn "
+                        "starts (the trainer's) or over whole questions")
     p.add_argument("--steps", type=int, default=24,
                    help="head: trainer steps to replay (smol_hops: 24)")
     p.add_argument("--layers", type=int, nargs="*", default=None,

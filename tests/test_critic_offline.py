@@ -331,6 +331,9 @@ def test_replayed_turn_critic_learns_a_readable_outcome_in_the_trainers_schedule
     lam_head, _, lam_fresh = co.replay_ridge(train, cfg, steps=24, seed=0, target="lambda")
     assert int(lam_head.n_seen) == 384 * 3 and lam_fresh[0] == pytest.approx(0.0)
     assert not torch.equal(lam_head.linear.weight, ridge.linear.weight)
+    loqo, loqo_lams, _ = co.replay_ridge(train, cfg, steps=24, seed=0, cv="question")
+    assert loqo.cv == "question" and int(loqo.n_seen) == 384 * 3 and len(loqo_lams) == 24
+    assert co.head_scores(loqo, held)["ev_turn_start"] > 0.3
     order = co.replay_order(train, 0, grouped=True)          # head_rows: one question each
     assert sorted(order) == list(range(384))
 

@@ -75,3 +75,19 @@ def test_appendix_c_refuses_a_run_without_checkpoints(runs, tmp_path):
     shutil.copy(runs / "ppo" / "config.json", bare / "config.json")
     with pytest.raises(SystemExit, match="has no checkpoint"):
         appendix_c.main([str(runs / "mpo"), str(bare), "--episodes", "1", "--last"])
+
+
+def test_appendix_c_scores_a_turn_critic_and_refuses_to_draw_a_fresh_one(runs):
+    """A --critic turn run's final critic: every value is its turn's start value, so the
+    between-turn share is 100 % wherever a trajectory's values vary; --fresh is refused (a turn
+    critic has no token head to draw)."""
+    import appendix_c
+    run_main(["--preset", "testbed", "--seed", "0", "--steps", "2", "--eval_every", "100",
+              "--variant", "mpo_beta0", "--critic", "turn", "--out_dir", str(runs / "turn")])
+    text = appendix_c.main([str(runs / "turn"), "--episodes", "1", "--last"])
+    row = next(line for line in text.splitlines() if line.startswith(f"| {runs / 'turn'} step_"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[1] == "100.0" and cells[2] == "100.0" and cells[4] == "100.0"   # shares, Δv²
+    assert int(cells[6]) > 0 and -10 < float(cells[8]) <= 1                        # rows, EV
+    with pytest.raises(SystemExit, match="--fresh"):
+        appendix_c.main([str(runs / "turn"), "--episodes", "1", "--fresh"])

@@ -189,6 +189,58 @@ def test_ridge_leave_one_out_matches_refitting_without_each_row():
     assert big[1:].abs().max() < 1e-6 and float(big[0]) == pytest.approx(float(y.mean()))
 
 
+def test_ridge_leave_one_group_out_matches_refitting_without_each_group():
+    """With groups, run_utils.ridge_loo's (I − H_gg)⁻¹ e_g is the error of a fit without group g
+    (checked by refitting once per group), and λ is the grid's minimiser of that error. Rows
+    repeated within a group (a question's identical first turn starts) make the two differ."""
+    import run_utils
+    g = torch.Generator().manual_seed(3)
+    z = torch.randn(6, 3, generator=g, dtype=torch.float64).repeat_interleave(3, 0)   # (18, 3)
+    y = z @ torch.tensor([0.5, -1.0, 0.2], dtype=torch.float64) + \
+        torch.randn(18, generator=g, dtype=torch.float64)               # 3 draws per state
+    groups = torch.arange(6).repeat_interleave(3)
+
+    def fit(zz, yy, lam):
+        X = torch.cat([torch.ones(len(zz), 1, dtype=zz.dtype), zz], 1)
+        return torch.linalg.solve(X.T @ X + torch.diag(torch.tensor([0.0, lam, lam, lam],
+                                                                    dtype=zz.dtype)), X.T @ yy)
+
+    def brute(lam):
+        err = 0.0
+        for q in range(6):
+            keep = groups != q
+            c = fit(z[keep], y[keep], lam)
+            err += float(((y[~keep] - c[0] - z[~keep] @ c[1:]) ** 2).sum())
+        return err / len(y)
+    grid = (1e-3, 0.3, 3.0, 30.0, 1e4)
+    coef, lam = run_utils.ridge_loo(z, y, grid, groups=groups)
+    assert lam == min(grid, key=brute) and torch.allclose(coef, fit(z, y, lam))
+    _, lam_rows = run_utils.ridge_loo(z, y, grid)             # one row out: its copies stay in
+    assert lam_rows < lam
+
+
+def test_turn_value_head_by_question_keeps_question_ids_and_refuses_a_mismatch():
+    g = torch.Generator().manual_seed(4)
+    x, R = torch.randn(24, 5, generator=g), torch.randn(24, generator=g)
+    q = torch.arange(8).repeat_interleave(3)
+    head = train_min.TurnValueHead(5, layer=1, capacity=16, cv="question")
+    assert set(head.state_dict()) == {"stats.count", "stats.mean", "stats.m2", "seen_x", "seen_g",
+                                      "seen_q", "n_seen", "lam", "linear.weight", "linear.bias"}
+    head.stats.observe(x)
+    lam = head.refit(x, R, q)                                # 24 rows into 16 places: the last
+    assert torch.equal(head.seen_q, q[-16:]) and torch.equal(head.seen_g, R[-16:])
+    import run_utils
+    coef, lam2 = run_utils.ridge_loo(head.stats.standardise(x[-16:]), R[-16:].double(),
+                                     groups=q[-16:])
+    assert lam == lam2 and torch.allclose(head.linear.weight[0].double(), coef[1:], atol=1e-6)
+    with pytest.raises(ValueError, match="question ids"):
+        head.refit(x, R)
+    with pytest.raises(ValueError, match="question ids"):
+        train_min.TurnValueHead(5, layer=1).refit(x, R, q)
+    with pytest.raises(ValueError, match="cv must be"):
+        train_min.TurnValueHead(5, layer=1, cv="episode")
+
+
 def test_refit_learns_a_linear_outcome_and_keeps_the_last_capacity_turns():
     g = torch.Generator().manual_seed(1)
     H, scale = 16, torch.logspace(-2, 2, 16)
