@@ -167,6 +167,22 @@ def as_batch(eps: list[dict], device, pad_id: int) -> dict:
 
 
 @torch.no_grad()
+def cached(path: Path | None, key: dict, field: str, compute, label: str):
+    """compute(), read from / written to `path` (a dict {"key": key, field: value}) when the
+    saved key matches; no cache with path None. Written to a .tmp first: whole files only."""
+    if path is not None and path.exists():
+        saved = torch.load(path)
+        if saved["key"] == key:
+            print(f"{label} read from {path}")
+            return saved[field]
+    value = compute()
+    if path is not None:
+        tmp = path.with_suffix(".tmp")
+        torch.save({"key": key, field: value}, tmp)
+        tmp.rename(path)
+    return value
+
+
 def lower_states(model, eps, cfg, device, pad_id, cache: Path | None = None
                  ) -> list[torch.Tensor | None]:
     """Each episode's output of the frozen layers below the adapters ((T_i, H), computed once:
@@ -178,23 +194,18 @@ def lower_states(model, eps, cfg, device, pad_id, cache: Path | None = None
     split = train_min.first_adapted_layer(model)
     key = {"split": split, "dtype": str(next(model.parameters()).dtype),
            "lengths": [len(e["ids"]) for e in eps], "rewards": [e["reward"] for e in eps]}
-    if cache is not None and split and cache.exists():
-        saved = torch.load(cache)
-        if saved["key"] == key:
-            print(f"[fit] frozen layers' outputs read from {cache}")
-            return saved["states"]
-    states = []
-    for s in tqdm(range(0, len(eps), cfg.micro_batch_size), desc="frozen layers", unit="micro"):
-        part = eps[s:s + cfg.micro_batch_size]
-        b = as_batch(part, device, pad_id)
-        h = train_min.frozen_states(model, b["ids"], b["attn"])
-        states += [None if h is None else h[i, :len(e["ids"])].clone()
-                   for i, e in enumerate(part)]
-    if cache is not None and split:
-        tmp = cache.with_suffix(".tmp")
-        torch.save({"key": key, "states": states}, tmp)
-        tmp.rename(cache)                                   # whole files only
-    return states
+
+    def compute():
+        states = []
+        for s in tqdm(range(0, len(eps), cfg.micro_batch_size), desc="frozen layers",
+                      unit="micro"):
+            part = eps[s:s + cfg.micro_batch_size]
+            b = as_batch(part, device, pad_id)
+            h = train_min.frozen_states(model, b["ids"], b["attn"])
+            states += [None if h is None else h[i, :len(e["ids"])].clone()
+                       for i, e in enumerate(part)]
+        return states
+    return cached(cache if split else None, key, "states", compute, "[fit] frozen layers' outputs")
 
 
 # --- the critic designs (issue 41) ------------------------------------------------------------
@@ -446,16 +457,9 @@ def cached_turn_features(model, eps, cfg, device, pad_id, layer: int, path: Path
     (the trainer-schedule check of `head` reruns in seconds once the forward pass is cached)."""
     key = {"layer": layer, "dtype": compute_dtype_name(model),
            "lengths": [len(e["ids"]) for e in eps], "rewards": [e["reward"] for e in eps]}
-    if path.exists():
-        saved = torch.load(path)
-        if saved["key"] == key:
-            print(f"[head] layer {layer} features read from {path}")
-            return saved["rows"]
-    rows = turn_start_features(model, eps, cfg, device, pad_id, [layer])
-    tmp = path.with_suffix(".tmp")
-    torch.save({"key": key, "rows": rows}, tmp)
-    tmp.rename(path)                                        # whole files only
-    return rows
+    return cached(path, key, "rows",
+                  lambda: turn_start_features(model, eps, cfg, device, pad_id, [layer]),
+                  f"[head] layer {layer} features")
 
 
 def ridge_fit(x: torch.Tensor, y: torch.Tensor, lam: float):
