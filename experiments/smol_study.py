@@ -306,16 +306,20 @@ def gates_table(runs) -> str:
         zero = [x for x in live if x.get("train/reward") == 0]
         some = [x for x in live if x.get("train/reward", 0) > 0]
 
+        def finite(key, rs=live):                # the logged values, missing and NaN left out
+            return [x[key] for x in rs
+                    if isinstance(x.get(key), (int, float)) and math.isfinite(x[key])]
+
         def avg(key, rs=live):
-            xs = [x[key] for x in rs if key in x and x[key] is not None and math.isfinite(x[key])]
+            xs = finite(key, rs)
             return statistics.mean(xs) if xs else float("nan")
+
         def first_last(key):
             if v == "grpo" or not any(key in x for x in rows):       # no critic, or not logged
                 return "–"
             ends = [avg(key, rows[:5]), avg(key, rows[-5:])]
             return " → ".join(f"{x:+.2f}" if math.isfinite(x) else "n/a" for x in ends)
-        ev_r = [x["critic/ev_outcome"] for x in live
-                if isinstance(x.get("critic/ev_outcome"), float) and math.isfinite(x["critic/ev_outcome"])]
+        ev_r = finite("critic/ev_outcome")
         ev_med = "–" if v == "grpo" or not ev_r else f"{statistics.median(ev_r):+.2f}"
         ev0, evN = r["evals"].get(0, {}), final(r)
 
