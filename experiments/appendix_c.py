@@ -73,6 +73,9 @@ def main(argv=None) -> str:
     ap.add_argument("runs", type=Path, nargs="+", help="run folders (train_min.py out_dir)")
     ap.add_argument("--episodes", type=int, default=4, help="episodes per validation task")
     ap.add_argument("--fresh", action="store_true", help="add a freshly initialised critic")
+    ap.add_argument("--save", type=Path, default=None,
+                    help="also write the scored trajectories to this .pt file: turn_ids, outcome "
+                         "scores, question per trajectory and each critic's values")
     ap.add_argument("--last", action="store_true",
                     help="score only each run's latest checkpoint (default: every saved one)")
     args = ap.parse_args(argv)
@@ -95,6 +98,7 @@ def main(argv=None) -> str:
     tid = batch["turn_ids"]
     outcome = torch.where(tid >= 0, batch["scores"][:, None].float(), 0.0)   # (B, T) the return
     lines = [f"{len(trajs)} trajectories sampled by {first}", "", HEADER]
+    saved = {}                                   # critic name -> (B, T) values, for --save
     for run in args.runs:
         cfg = run_config(run)
         if (cfg.model, cfg.preset) != (cfg0.model, cfg0.preset):
@@ -111,6 +115,7 @@ def main(argv=None) -> str:
             run_utils.load_checkpoint(ckpt, model, value_head, None, restore_rng=False)
             v = values_of(model, value_head, batch, cfg)
             pooled.append(v)
+            saved[f"{run} {ckpt.name}"] = v
             lines.append(row(f"{run} {ckpt.name}", mpo.turn_value_structure(v, tid),
                              float(mpo.explained_variance(v, outcome, tid))))
         if len(pooled) > 1:
@@ -121,9 +126,13 @@ def main(argv=None) -> str:
         torch.manual_seed(0)
         value_head.linear.reset_parameters()                   # nn.Linear's default init
         v = values_of(model, value_head, batch, cfg0)
+        saved["fresh"] = v
         lines.append(row("fresh critic (base model, random head)", mpo.turn_value_structure(v, tid),
                          float(mpo.explained_variance(v, outcome, tid))))
     lines.append(row("paper (Appendix C)", mpo.PAPER_TURN_VALUE_STRUCTURE))
+    if args.save is not None:
+        torch.save({"turn_ids": tid, "scores": batch["scores"], "values": saved,
+                    "groups": batch["groups"], "sampled_by": str(first)}, args.save)
     text = "\n".join(lines)
     print(text)
     return text

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import mpo
 from helpers import run_main
@@ -84,10 +85,18 @@ def test_appendix_c_scores_a_turn_critic_and_refuses_to_draw_a_fresh_one(runs):
     import appendix_c
     run_main(["--preset", "testbed", "--seed", "0", "--steps", "2", "--eval_every", "100",
               "--variant", "mpo_beta0", "--critic", "turn", "--out_dir", str(runs / "turn")])
-    text = appendix_c.main([str(runs / "turn"), "--episodes", "1", "--last"])
+    text = appendix_c.main([str(runs / "turn"), "--episodes", "1", "--last",
+                            "--save", str(runs / "turn.pt")])
     row = next(line for line in text.splitlines() if line.startswith(f"| {runs / 'turn'} step_"))
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[1] == "100.0" and cells[2] == "100.0" and cells[4] == "100.0"   # shares, Δv²
     assert int(cells[6]) > 0 and -10 < float(cells[8]) <= 1                        # rows, EV
+    saved = torch.load(runs / "turn.pt")                   # the scored rows, for analysis
+    (name, v), = saved["values"].items()
+    tid = saved["turn_ids"]
+    assert name.startswith(str(runs / "turn")) and v.shape == tid.shape
+    assert len(v) == int(cells[6])
+    outcome = torch.where(tid >= 0, saved["scores"][:, None].float(), 0.0)
+    assert float(mpo.explained_variance(v, outcome, tid)) == pytest.approx(float(cells[8]), abs=5e-4)
     with pytest.raises(SystemExit, match="--fresh"):
         appendix_c.main([str(runs / "turn"), "--episodes", "1", "--fresh"])
