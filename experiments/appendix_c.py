@@ -74,8 +74,8 @@ def main(argv=None) -> str:
     ap.add_argument("--episodes", type=int, default=4, help="episodes per validation task")
     ap.add_argument("--fresh", action="store_true", help="add a freshly initialised critic")
     ap.add_argument("--save", type=Path, default=None,
-                    help="also write the scored trajectories to this .pt file: turn_ids, outcome "
-                         "scores, question per trajectory and each critic's values")
+                    help="also write the scored trajectories to this .pt file: token ids, attention "
+                         "mask, turn_ids, outcome scores, question ids and each critic's values")
     ap.add_argument("--last", action="store_true",
                     help="score only each run's latest checkpoint (default: every saved one)")
     args = ap.parse_args(argv)
@@ -131,8 +131,9 @@ def main(argv=None) -> str:
                          float(mpo.explained_variance(v, outcome, tid))))
     lines.append(row("paper (Appendix C)", mpo.PAPER_TURN_VALUE_STRUCTURE))
     if args.save is not None:
-        torch.save({"turn_ids": tid, "scores": batch["scores"], "values": saved,
-                    "groups": batch["groups"], "sampled_by": str(first)}, args.save)
+        torch.save({"ids": batch["ids"], "attn": batch["attn"], "turn_ids": tid,
+                    "scores": batch["scores"], "values": saved, "groups": batch["groups"],
+                    "sampled_by": str(first)}, args.save)
     text = "\n".join(lines)
     print(text)
     return text

@@ -94,7 +94,7 @@ def test_appendix_c_scores_a_turn_critic_and_refuses_to_draw_a_fresh_one(runs):
     saved = torch.load(runs / "turn.pt")                   # the scored rows, for analysis
     (name, v), = saved["values"].items()
     tid = saved["turn_ids"]
-    assert name.startswith(str(runs / "turn")) and v.shape == tid.shape
+    assert name.startswith(str(runs / "turn")) and v.shape == tid.shape == saved["ids"].shape
     assert len(v) == int(cells[6])
     outcome = torch.where(tid >= 0, saved["scores"][:, None].float(), 0.0)
     assert float(mpo.explained_variance(v, outcome, tid)) == pytest.approx(float(cells[8]), abs=5e-4)
