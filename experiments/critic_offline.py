@@ -9,6 +9,7 @@ whose EV is noisy. This test separates "cannot" from "was not shown enough":
     python experiments/critic_offline.py fit --name top8 -- --cpu_threads 1  # the study's critic
     python experiments/critic_offline.py fit --name top16 -- --cpu_threads 1 --lora_layers 16
     python experiments/critic_offline.py report                              # the table
+    python experiments/critic_offline.py transfer --saved S.pt [--record R.json] -- --cpu_threads 1
 
 collect: the warm-started policy (what the critic warm-up sees), sampling as in training, on the
 first --questions questions of seed 0's training order, --n_rollouts episodes each; one file per
@@ -756,6 +757,71 @@ def ridge_check(args, extra, cfg, layer, feats, train, held, tok, t0) -> dict:
     return record
 
 
+def transfer(args, extra: list[str]) -> dict:
+    """The offline heads scored on other trajectories: appendix_c.py --save files (a run's final
+    policy on its seed's validation questions, a knowledge base disjoint from the training one),
+    beside the run's own final critic. The replayed heads: the trainer's schedule as in training
+    (24 steps, by question, turn λ-return target, leave-one-out λ) and one ridge refit on all
+    training episodes at once. The run's critic is re-read from its checkpoint and scored on the
+    features computed here: it must give the saved values (a check on the features)."""
+    import mpo
+    import run_utils
+    from experiments.final_critics import turn_start_stats
+    from safetensors.torch import load_file
+    out = Path(args.out)
+    train, _ = split(load_episodes(out))
+    cfg, device, suite, tok, model, _ = setup(extra, args.seed, out)
+    layer = cfg.critic_layer or model.config.num_hidden_layers // 2 + 1
+    feats = cached_turn_features(model, train, cfg, device, tok.pad_token_id, layer,
+                                 out / f"turnfeat-L{layer}-{compute_dtype_name(model)}-train.pt")
+    heads = {"offline replay, trainer schedule (24 steps by question, λ-return)":
+             replay_ridge(feats, cfg, args.steps, args.seed, "lambda", grouped=True)[0]}
+    once = run_utils.TurnValueHead(feats[0]["x"].shape[-1], layer)
+    x_all = torch.cat([r["x"][0] for r in feats])
+    once.stats.observe(x_all)
+    once.refit(x_all, torch.cat([torch.full((r["x"].shape[1],), float(r["R"])) for r in feats]))
+    heads["offline, all 512 training episodes at once (R(τ))"] = once
+    record = {"commit": commit(), "cpu": cpu_name(), "layer": layer, "files": {}}
+    for path in args.saved:
+        saved = torch.load(path)
+        n = saved["attn"].sum(1).tolist()
+        eps = [{"ids": saved["ids"][b, :n[b]].tolist(), "reward": float(saved["scores"][b]),
+                "turn_ids": saved["turn_ids"][b, :n[b]].tolist(), "position": b}
+               for b in range(len(n))]
+        rows = turn_start_features(model, eps, cfg, device, tok.pad_token_id, [layer])
+        K = max(r["x"].shape[1] for r in rows)
+        tid = saved["turn_ids"]
+
+        def values(head):                         # (B, T): each turn's start value on its tokens
+            v = torch.zeros(len(rows), K)
+            with torch.no_grad():
+                for b, r in enumerate(rows):
+                    v[b, :r["x"].shape[1]] = head(r["x"][0])
+            return mpo.spread_turn_values(v, tid)
+        results = {}
+        for name, v in saved["values"].items():
+            run = Path(name.rsplit(" ", 1)[0])
+            own = run_utils.TurnValueHead(feats[0]["x"].shape[-1], layer, cfg.critic_buffer)
+            own.load_state_dict(load_file(run / "checkpoints" / name.rsplit(" ", 1)[1]
+                                          / "value_head.safetensors"))
+            again = values(own)
+            gap = float((again - v).abs().max())
+            if gap > 1e-3:
+                raise SystemExit(f"transfer: {name} rescored here differs from its saved values "
+                                 f"by {gap:.2g}: the features do not match the run's")
+            results[f"{name} (in training; rescored, max gap {gap:.1e})"] = turn_start_stats(
+                v, tid, saved["scores"])
+        for name, head in heads.items():
+            results[name] = turn_start_stats(values(head), tid, saved["scores"])
+        record["files"][str(path)] = results
+        for name, st in results.items():
+            print(f"[transfer] {path.name}: {name}: EV {st['ev']:+.3f}, r² {st['r2']:.3f}, slope "
+                  f"{st['slope']:+.2f}, sd V {st['sd_v']:.3f} (sd R {st['sd_R']:.3f})", flush=True)
+    if args.record is not None:
+        Path(args.record).write_text(json.dumps(record, indent=1))
+    return record
+
+
 def compute_dtype_name(model) -> str:
     return str(next(model.parameters()).dtype).replace("torch.", "")
 
@@ -858,7 +924,7 @@ def main(argv=None):
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     ours = argv[:argv.index("--")] if "--" in argv else argv
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("what", choices=["collect", "fit", "probe", "head", "report"])
+    p.add_argument("what", choices=["collect", "fit", "probe", "head", "transfer", "report"])
     p.add_argument("--out", default=str(OUT), help="episodes folder (default runs/critic-offline)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--questions", type=int, default=160, help="collect: questions (x16)")
@@ -894,6 +960,9 @@ def main(argv=None):
     p.add_argument("--cv", choices=["row", "question"], default="row",
                    help="head --head_fit ridge: the ridge strength by leave-one-out over turn "
                         "starts (the trainer's) or over whole questions")
+    p.add_argument("--saved", type=Path, nargs="*", default=[],
+                   help="transfer: appendix_c.py --save files to score the offline heads on")
+    p.add_argument("--record", default=None, help="transfer: write the numbers to this .json")
     p.add_argument("--steps", type=int, default=24,
                    help="head: trainer steps to replay (smol_hops: 24)")
     p.add_argument("--layers", type=int, nargs="*", default=None,
@@ -907,7 +976,9 @@ def main(argv=None):
     for name in ("n_rollouts", "epochs", "minibatch", "passes", "steps"):
         if getattr(a, name) < 1:
             p.error(f"--{name} must be >= 1, got {getattr(a, name)}")
-    return {"collect": collect, "fit": fit, "probe": probe, "head": head,
+    if a.what == "transfer" and not a.saved:
+        p.error("transfer needs --saved FILE [FILE ...] (appendix_c.py --save files)")
+    return {"collect": collect, "fit": fit, "probe": probe, "head": head, "transfer": transfer,
             "report": report}[a.what](a, extra)
 
 

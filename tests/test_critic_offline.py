@@ -393,3 +393,56 @@ def test_report_gives_a_head_record_its_verdict_and_a_stopped_fit_none(tmp_path,
     assert "frozen layer 16" in text and "lr 0.001 (5-fold CV)" in text
     assert "| 577 | 24 steps | +0.040 fail | +0.120 (lr 0.003) | +0.030 | +0.200 | +0.178 |" in text
     assert "+0.200 stopped after 1 of 3 |" in text          # no verdict on a cut-short fit
+
+
+def test_transfer_scores_the_offline_heads_beside_a_runs_own_critic(tiny, tmp_path, monkeypatch):
+    """`transfer` on an appendix_c --save file: the run's critic re-read from its checkpoint and
+    scored on features computed here gives the saved values (else it stops), and every offline
+    head gets its row of final_critics statistics."""
+    import run_utils
+    import train_min
+    from safetensors.torch import save_file
+    tiny_command(tiny, tmp_path, monkeypatch, 20)
+    eps = [dict(e, position=i) for i, e in enumerate(toy_episodes(6))]
+    path, base = tiny
+    cfg = train_min.parse_config(["--preset", "tiny", "--model", path, "--out_dir",
+                                  str(base / "u"), "--load_in_4bit", "false"])
+    _, model, _ = train_min.load_model(cfg, torch.device("cpu"))
+    layer = model.config.num_hidden_layers // 2 + 1
+    rows = co.turn_start_features(model, eps, cfg, torch.device("cpu"), 0, [layer])
+    own = run_utils.TurnValueHead(rows[0]["x"].shape[-1], layer, cfg.critic_buffer)
+    x = torch.cat([r["x"][0] for r in rows])
+    own.stats.observe(x)
+    own.refit(x, torch.cat([torch.full((r["x"].shape[1],), float(e["reward"]))
+                            for r, e in zip(rows, eps)]))
+    ckpt = tmp_path / "run" / "checkpoints" / "step_000002"
+    ckpt.mkdir(parents=True)
+    save_file(own.state_dict(), ckpt / "value_head.safetensors")
+    batch = co.as_batch(eps, torch.device("cpu"), 0)
+    with torch.no_grad():
+        v_turn = torch.stack([own(r["x"][0]) for r in rows])                    # (B, K)
+    values = mpo_spread(v_turn, batch["turn_ids"])
+    saved = {"ids": batch["ids"], "attn": batch["attn"], "turn_ids": batch["turn_ids"],
+             "scores": torch.tensor([e["reward"] for e in eps]),
+             "values": {f"{tmp_path / 'run'} step_000002": values}}
+    torch.save(saved, tmp_path / "s.pt")
+    argv = ["transfer", "--out", str(tmp_path), "--steps", "2", "--saved", str(tmp_path / "s.pt"),
+            "--record", str(tmp_path / "r.json"), "--", "--questions_per_step", "1",
+            "--n_rollouts", "4"]
+    record = co.main(argv)
+    rows_out = record["files"][str(tmp_path / "s.pt")]
+    assert len(rows_out) == 3 and json.loads((tmp_path / "r.json").read_text()) == record
+    mine = next(v for k, v in rows_out.items() if k.startswith(f"{tmp_path / 'run'} step_000002"))
+    R = torch.tensor([e["reward"] for e in eps], dtype=torch.float64).repeat_interleave(3)
+    assert mine["turns"] == 18 and mine["ev"] == pytest.approx(co.ev(v_turn.flatten().double(), R))
+    saved["values"][f"{tmp_path / 'run'} step_000002"] = values + 0.5 * (batch["turn_ids"] >= 0)
+    torch.save(saved, tmp_path / "s.pt")
+    with pytest.raises(SystemExit, match="differs from its saved values"):
+        co.main(argv)
+    with pytest.raises(SystemExit):
+        co.main(["transfer", "--out", str(tmp_path)])                    # no --saved
+
+
+def mpo_spread(v_turn, turn_ids):
+    import mpo
+    return mpo.spread_turn_values(v_turn, turn_ids)
