@@ -763,7 +763,11 @@ def transfer(args, extra: list[str]) -> dict:
     beside the run's own final critic. The replayed heads: the trainer's schedule as in training
     (24 steps, by question, turn λ-return target, leave-one-out λ) and one ridge refit on all
     training episodes at once. The run's critic is re-read from its checkpoint and scored on the
-    features computed here: it must give the saved values (a check on the features)."""
+    features computed here: it must give the saved values (a check on the features). Every head
+    is scored as score_batch scores a batch: its turn starts' features (no outcome) join the
+    head's running standardisation first."""
+    import copy
+
     import mpo
     import run_utils
     from experiments.final_critics import turn_start_stats
@@ -793,6 +797,8 @@ def transfer(args, extra: list[str]) -> dict:
         tid = saved["turn_ids"]
 
         def values(head):                         # (B, T): each turn's start value on its tokens
+            head = copy.deepcopy(head)            # as score_batch: the batch's turn starts join
+            head.stats.observe(torch.cat([r["x"][0] for r in rows]))   # the standardisation first
             v = torch.zeros(len(rows), K)
             with torch.no_grad():
                 for b, r in enumerate(rows):

@@ -399,6 +399,8 @@ def test_transfer_scores_the_offline_heads_beside_a_runs_own_critic(tiny, tmp_pa
     """`transfer` on an appendix_c --save file: the run's critic re-read from its checkpoint and
     scored on features computed here gives the saved values (else it stops), and every offline
     head gets its row of final_critics statistics."""
+    import copy
+
     import run_utils
     import train_min
     from safetensors.torch import save_file
@@ -412,15 +414,17 @@ def test_transfer_scores_the_offline_heads_beside_a_runs_own_critic(tiny, tmp_pa
     rows = co.turn_start_features(model, eps, cfg, torch.device("cpu"), 0, [layer])
     own = run_utils.TurnValueHead(rows[0]["x"].shape[-1], layer, cfg.critic_buffer)
     x = torch.cat([r["x"][0] for r in rows])
-    own.stats.observe(x)
-    own.refit(x, torch.cat([torch.full((r["x"].shape[1],), float(e["reward"]))
+    own.stats.observe(x + 0.5)                  # fitted on other states than the scored ones
+    own.refit(x + 0.5, torch.cat([torch.full((r["x"].shape[1],), float(e["reward"]))
                             for r, e in zip(rows, eps)]))
     ckpt = tmp_path / "run" / "checkpoints" / "step_000002"
     ckpt.mkdir(parents=True)
     save_file(own.state_dict(), ckpt / "value_head.safetensors")
     batch = co.as_batch(eps, torch.device("cpu"), 0)
+    scorer = copy.deepcopy(own)                 # as score_batch: observe the batch, then score
+    scorer.stats.observe(x)
     with torch.no_grad():
-        v_turn = torch.stack([own(r["x"][0]) for r in rows])                    # (B, K)
+        v_turn = torch.stack([scorer(r["x"][0]) for r in rows])                 # (B, K)
     values = mpo_spread(v_turn, batch["turn_ids"])
     saved = {"ids": batch["ids"], "attn": batch["attn"], "turn_ids": batch["turn_ids"],
              "scores": torch.tensor([e["reward"] for e in eps]),
