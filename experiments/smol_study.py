@@ -388,7 +388,7 @@ def report(args) -> str:
         "### Gains over the warm-started model\n\n" + gains_table(runs) + "\n\n"
         + warm_start_line(runs) + "\n\n" + machines_line(runs, ref),
         f"### Paired differences from {short(ref)} (final evaluation)\n\n" + paired_table(comps)
-        + "\n\n" + power(comps),
+        + ("\n\n" + power(comps) if ref == "mpo" else ""),     # the pilot's A − B power line
         "### Mechanism gates\n\n" + gates_table(runs)])
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

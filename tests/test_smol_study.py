@@ -119,6 +119,9 @@ def test_report_against_another_reference_setting(results, tmp_path, capsys):
     write_run(results, "grpo", 5, {0, 1, 2})                     # no A beside it: no step 0
     text = st.report(argparse.Namespace(results=results, out=None, ref="grpo"))
     assert "### Paired differences from GRPO (final evaluation)" in text
+    assert "A − B difference" not in text                        # A − B power: reference A only
+    assert "Seeds for a 3-point A − B difference" in st.report(
+        argparse.Namespace(results=results, out=None, ref="mpo"))
     assert "| GRPO | 1 | – | 30.0 | – | s5 final 30.0 |" in text
     with pytest.raises(SystemExit):                              # argparse: exit 2, one line
         st.main(["report", "--ref", "nope", "--results", str(results)])
