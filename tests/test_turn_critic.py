@@ -160,6 +160,13 @@ def test_running_standardisation_equals_the_statistics_of_everything_seen():
             "linear.weight", "linear.bias"} == set(head.state_dict())    # kept in checkpoints
 
 
+def fit(zz, yy, lam):
+    """Ridge with a free intercept by a direct solve (3 features): the reference for ridge_loo."""
+    X = torch.cat([torch.ones(len(zz), 1, dtype=zz.dtype), zz], 1)
+    return torch.linalg.solve(X.T @ X + torch.diag(torch.tensor([0.0, lam, lam, lam],
+                                                                dtype=zz.dtype)), X.T @ yy)
+
+
 def test_ridge_leave_one_out_matches_refitting_without_each_row():
     """run_utils.ridge_loo's e_i / (1 − H_ii) is the error of a fit without row i (checked by
     refitting n times), its λ the grid's minimiser of that error, its intercept unpenalised."""
@@ -168,11 +175,6 @@ def test_ridge_leave_one_out_matches_refitting_without_each_row():
     z = torch.randn(12, 3, generator=g, dtype=torch.float64)
     y = z @ torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64) + 4 + \
         0.3 * torch.randn(12, generator=g, dtype=torch.float64)
-
-    def fit(zz, yy, lam):
-        X = torch.cat([torch.ones(len(zz), 1, dtype=zz.dtype), zz], 1)
-        return torch.linalg.solve(X.T @ X + torch.diag(torch.tensor([0.0, lam, lam, lam],
-                                                                    dtype=zz.dtype)), X.T @ yy)
 
     def brute_loo(lam):
         err = 0.0
@@ -199,11 +201,6 @@ def test_ridge_leave_one_group_out_matches_refitting_without_each_group():
     y = z @ torch.tensor([0.5, -1.0, 0.2], dtype=torch.float64) + \
         torch.randn(18, generator=g, dtype=torch.float64)               # 3 draws per state
     groups = torch.arange(6).repeat_interleave(3)
-
-    def fit(zz, yy, lam):
-        X = torch.cat([torch.ones(len(zz), 1, dtype=zz.dtype), zz], 1)
-        return torch.linalg.solve(X.T @ X + torch.diag(torch.tensor([0.0, lam, lam, lam],
-                                                                    dtype=zz.dtype)), X.T @ yy)
 
     def brute(lam):
         err = 0.0
