@@ -18,7 +18,8 @@ fit: a fresh critic (the study's: LoRA on the top --lora_layers layers, zero-ini
 head, its learning rates) trained on the Monte Carlo target R(τ) at every action token (with γ = 1
 and one terminal reward, what λ = 1 gives), --epochs passes in minibatches of 16 episodes, on the
 episodes of the first 80 % of questions; after each epoch, EV against R(τ) on the held-out 20 %
-(every action token, and each turn's first token), and on the training episodes.
+(every action token, and each turn's first token), and on the training episodes. Each epoch
+saves the fit's state (<out>/fit-<name>.pt): the same command again continues a stopped fit.
 A reference with no language model: a linear fit of R(τ) on each turn's first token from the turn
 index, the question's hop count and whether the gold answer has already appeared in a retrieved
 document (train split), scored on the held-out turns: what a critic could reach from the
@@ -371,7 +372,7 @@ def update(critic: Critic, opt, mb, mb_st, cfg, device, pad_id, args) -> float:
             tid = torch.where(w, b["turn_ids"], torch.full_like(b["turn_ids"], -1))
             loss = mpo.value_loss(v, v_old, R, tid, clip=clip, num_tokens=n, validate=False)
             loss.backward()
-            total += float(loss)
+            total += float(loss.detach())
         torch.nn.utils.clip_grad_norm_(critic.params, cfg.max_grad_norm)
         opt.step()
     return total
@@ -380,36 +381,65 @@ def update(critic: Critic, opt, mb, mb_st, cfg, device, pad_id, args) -> float:
 def fit(args, extra: list[str]) -> None:
     """One design's fit: --epochs passes over the training episodes in minibatches of
     --minibatch; each minibatch's values before its first pass are the clip's V_old, then
-    --passes gradient steps on it (the trainer's epochs over one batch)."""
+    --passes gradient steps on it (the trainer's epochs over one batch). After each epoch the
+    record is written and the fit's state saved (<out>/fit-<name>.pt: its trained weights,
+    optimiser and random state), so running the same command again continues from the last
+    finished epoch, exactly as if it had not stopped; a larger --epochs extends a finished fit."""
     out = Path(args.out)
+    design = {k: getattr(args, k) for k in ("target", "value_clip", "passes", "head", "features",
+                                            "separate")}
+    key = {"design": design, "flags": extra, "seed": args.seed, "minibatch": args.minibatch}
+    state_path = out / f"fit-{args.name}.pt"
+    saved = None
+    if state_path.exists():                      # checked before the model loads
+        saved = torch.load(state_path, weights_only=False)
+        if saved["key"] != key:
+            raise SystemExit(f"{state_path} holds a fit of --name {args.name} with other settings "
+                             f"({saved['key']}); remove it to start again, or pick another --name")
+        if saved["epoch"] >= args.epochs:
+            raise SystemExit(f"{state_path}: --name {args.name} already ran {saved['epoch']} "
+                             f"epochs; pass --epochs > {saved['epoch']} to extend it")
     train, held = split(load_episodes(out))
     cfg, device, suite, tok, model, _ = setup(extra, args.seed, out)
     pad = tok.pad_token_id
     torch.manual_seed(args.seed)
     critic = Critic(model, cfg, args, device)
     opt = torch.optim.AdamW(critic.groups, weight_decay=0.0)
-    design = {k: getattr(args, k) for k in ("target", "value_clip", "passes", "head", "features",
-                                            "separate")}
-    record = {"name": args.name, "commit": commit(), "flags": extra, "design": design,
-              "epochs": args.epochs, "lora_layers": cfg.lora_layers, "lora_r": cfg.lora_r,
-              "lr_critic": cfg.lr_critic, "lr_value_head": cfg.lr_value_head,
-              "trained_params": sum(p.numel() for p in critic.params),
-              "n_train": len(train), "n_held": len(held),
-              "success_train": sum(e["reward"] for e in train) / len(train),
-              "success_held": sum(e["reward"] for e in held) / len(held),
-              "reference": reference(train, held, tok), "cpu": cpu_name(), "per_epoch": []}
+    if saved is None:
+        record = {"name": args.name, "commit": commit(), "flags": extra, "design": design,
+                  "lora_layers": cfg.lora_layers, "lora_r": cfg.lora_r,
+                  "lr_critic": cfg.lr_critic, "lr_value_head": cfg.lr_value_head,
+                  "trained_params": sum(p.numel() for p in critic.params),
+                  "n_train": len(train), "n_held": len(held),
+                  "success_train": sum(e["reward"] for e in train) / len(train),
+                  "success_held": sum(e["reward"] for e in held) / len(held),
+                  "reference": reference(train, held, tok), "cpu": cpu_name(), "per_epoch": []}
+        first = 0
+    else:
+        record, first = saved["record"], saved["epoch"] + 1
+        with torch.no_grad():
+            for p, v in zip(critic.params, saved["params"], strict=True):
+                p.copy_(v)
+        opt.load_state_dict(saved["opt"])
+        torch.set_rng_state(saved["rng"])
+        record.setdefault("resumed", []).append({"epoch": first, "commit": commit(),
+                                                 "cpu": cpu_name()})
+        print(f"[fit] {args.name}: continuing after epoch {saved['epoch']} ({state_path})")
+    record["epochs"] = args.epochs
     print(f"[fit] {args.name}: {len(train)} training / {len(held)} held-out episodes; {design}; "
           f"{record['trained_params']:,} trained parameters; reference (linear, 3 features) "
           f"held-out EV at turn starts {record['reference']['ev_turn_start_held']:.3f}")
     cache = out / f"lower-top{cfg.lora_layers}-{compute_dtype_name(model)}"
     st_train = lower_states(model, train, cfg, device, pad, cache.with_name(cache.name + "-train.pt"))
     st_held = lower_states(model, held, cfg, device, pad, cache.with_name(cache.name + "-held.pt"))
-    t0 = time.time()
-    for epoch in range(args.epochs + 1):
+    from tqdm import tqdm
+    t0 = time.time() - (record["per_epoch"][-1]["seconds"] if record["per_epoch"] else 0.0)
+    for epoch in range(first, args.epochs + 1):
         if epoch:                                               # epoch 0: before any update
             g = torch.Generator().manual_seed(args.seed * 1000 + epoch)
             perm = torch.randperm(len(train), generator=g).tolist()
-            for m in range(0, len(perm), args.minibatch):
+            for m in tqdm(range(0, len(perm), args.minibatch), desc=f"epoch {epoch}",
+                          unit="minibatch"):
                 ids = perm[m:m + args.minibatch]
                 mb, mb_st = [train[i] for i in ids], [st_train[i] for i in ids]
                 update(critic, opt, mb, mb_st, cfg, device, pad, args)
@@ -425,6 +455,11 @@ def fit(args, extra: list[str]) -> None:
               f" | {row['seconds']:.0f} s", flush=True)
         RESULTS.mkdir(parents=True, exist_ok=True)
         (RESULTS / f"fit_{args.name}.json").write_text(json.dumps(record, indent=1))
+        tmp = state_path.with_suffix(".tmp")                    # then the state to continue from
+        torch.save({"key": key, "epoch": epoch, "record": record, "rng": torch.get_rng_state(),
+                    "params": [p.detach().clone() for p in critic.params],
+                    "opt": opt.state_dict()}, tmp)
+        tmp.rename(state_path)
 
 
 # --- the frozen-feature probe -------------------------------------------------------------------

@@ -295,6 +295,37 @@ def test_fit_runs_end_to_end_writes_its_record_and_caches_the_frozen_layers(
         "lower-top1-float32-held.pt", "lower-top1-float32-train.pt"]
 
 
+def test_a_stopped_fit_continues_exactly_and_refuses_other_settings(tiny, tmp_path, monkeypatch):
+    """A fit stopped after epoch 1 and run again with --epochs 2 ends where one uninterrupted
+    2-epoch fit ends: the same numbers after every epoch (weights, optimiser and random state
+    restored). Another design under the same --name stops before any model loads."""
+    tiny_command(tiny, tmp_path, monkeypatch, 10)
+    flags = ["--target", "turn", "--value_clip", "0.2", "--passes", "2", "--", "--lora_layers", "1"]
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    for d in (whole, parts):
+        d.mkdir()
+        (d / "episodes").symlink_to(tmp_path / "episodes")
+    co.main(["fit", "--out", str(whole), "--name", "w", "--epochs", "2", *flags])
+    co.main(["fit", "--out", str(parts), "--name", "p", "--epochs", "1", *flags])
+    stopped = json.loads((tmp_path / "results" / "fit_p.json").read_text())
+    assert [r["epoch"] for r in stopped["per_epoch"]] == [0, 1] and stopped["epochs"] == 1
+    co.main(["fit", "--out", str(parts), "--name", "p", "--epochs", "2", *flags])
+    a = json.loads((tmp_path / "results" / "fit_w.json").read_text())
+    b = json.loads((tmp_path / "results" / "fit_p.json").read_text())
+    assert [r["epoch"] for r in b["per_epoch"]] == [0, 1, 2] and b["epochs"] == 2
+    assert b["resumed"][0]["epoch"] == 2 and "resumed" not in a
+    for ra, rb in zip(a["per_epoch"], b["per_epoch"], strict=True):
+        assert ra["held"] == rb["held"] and ra["train"] == rb["train"]
+    assert a["per_epoch"][2]["held"]["mean_v"] != a["per_epoch"][1]["held"]["mean_v"]
+
+    monkeypatch.setattr(co, "setup", lambda *a: pytest.fail("the model loaded"))
+    with pytest.raises(SystemExit, match="already ran 2 epochs; pass --epochs > 2"):
+        co.main(["fit", "--out", str(parts), "--name", "p", "--epochs", "2", *flags])
+    with pytest.raises(SystemExit, match="with other settings"):
+        co.main(["fit", "--out", str(parts), "--name", "p", "--epochs", "3", "--target", "token",
+                 "--", "--lora_layers", "1"])
+
+
 # --- the trainer's turn critic, replayed (`head`, issue 41 part 2) ------------------------------
 
 def head_rows(n: int, g: torch.Generator, w: torch.Tensor, turns: int = 3) -> list[dict]:
