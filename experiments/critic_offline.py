@@ -168,6 +168,15 @@ def as_batch(eps: list[dict], device, pad_id: int) -> dict:
     return train_min.collate(trajs, pad_id, device)
 
 
+def episodes_of(batch: dict) -> list[dict]:
+    """The inverse of as_batch on a collated batch (ids, attn, turn_ids, scores; right-padded),
+    e.g. an appendix_c.py --save file: one episode dict per row, its padding cut off."""
+    n = batch["attn"].sum(1).tolist()
+    return [{"ids": batch["ids"][b, :n[b]].tolist(), "reward": float(batch["scores"][b]),
+             "turn_ids": batch["turn_ids"][b, :n[b]].tolist(), "position": b}
+            for b in range(len(n))]
+
+
 @torch.no_grad()
 def cached(path: Path | None, key: dict, field: str, compute, label: str):
     """compute(), read from / written to `path` (a dict {"key": key, field: value}) when the
@@ -823,11 +832,8 @@ def transfer(args, extra: list[str]) -> dict:
     record = {"commit": commit(), "cpu": cpu_name(), "layer": layer, "files": {}}
     for path in args.saved:
         saved = torch.load(path)
-        n = saved["attn"].sum(1).tolist()
-        eps = [{"ids": saved["ids"][b, :n[b]].tolist(), "reward": float(saved["scores"][b]),
-                "turn_ids": saved["turn_ids"][b, :n[b]].tolist(), "position": b}
-               for b in range(len(n))]
-        rows = turn_start_features(model, eps, cfg, device, tok.pad_token_id, [layer])
+        rows = turn_start_features(model, episodes_of(saved), cfg, device, tok.pad_token_id,
+                                   [layer])
         K = max(r["x"].shape[1] for r in rows)
         tid = saved["turn_ids"]
 

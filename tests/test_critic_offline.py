@@ -226,6 +226,19 @@ def test_each_critic_design_fits_a_readable_outcome_and_trains_only_its_own_weig
         assert critic.layers is not None and all(p.requires_grad for p in critic.layers.parameters())
 
 
+def test_episodes_of_a_batch_are_the_episodes_it_was_collated_from():
+    eps = toy_episodes(4)
+    eps[1]["ids"], eps[1]["turn_ids"] = eps[1]["ids"][:7], eps[1]["turn_ids"][:7]   # shorter
+    batch = co.as_batch(eps, torch.device("cpu"), pad_id=0)
+    assert batch["ids"].shape == (4, 12)
+    back = co.episodes_of(batch)
+    for e, b in zip(eps, back, strict=True):
+        assert (b["ids"], b["turn_ids"], b["reward"]) == (e["ids"], e["turn_ids"], e["reward"])
+    again = co.as_batch(back, torch.device("cpu"), pad_id=0)
+    for k in ("ids", "attn", "turn_ids", "scores"):
+        assert torch.equal(again[k], batch[k]), k
+
+
 def test_concat_features_need_enough_layers(tiny):
     import train_min
     from types import SimpleNamespace
