@@ -177,6 +177,13 @@ def episodes_of(batch: dict) -> list[dict]:
             for b in range(len(n))]
 
 
+def save_whole(obj, path: Path) -> None:
+    """torch.save to a .tmp first, then rename: a crash leaves the old file or the new, whole."""
+    tmp = path.with_suffix(".tmp")
+    torch.save(obj, tmp)
+    tmp.rename(path)
+
+
 @torch.no_grad()
 def cached(path: Path | None, key: dict, field: str, compute, label: str):
     """compute(), read from / written to `path` (a dict {"key": key, field: value}) when the
@@ -188,9 +195,7 @@ def cached(path: Path | None, key: dict, field: str, compute, label: str):
             return saved[field]
     value = compute()
     if path is not None:
-        tmp = path.with_suffix(".tmp")
-        torch.save({"key": key, field: value}, tmp)
-        tmp.rename(path)
+        save_whole({"key": key, field: value}, path)
     return value
 
 
@@ -464,11 +469,10 @@ def fit(args, extra: list[str]) -> None:
               f" | {row['seconds']:.0f} s", flush=True)
         RESULTS.mkdir(parents=True, exist_ok=True)
         (RESULTS / f"fit_{args.name}.json").write_text(json.dumps(record, indent=1))
-        tmp = state_path.with_suffix(".tmp")                    # then the state to continue from
-        torch.save({"key": key, "epoch": epoch, "record": record, "rng": torch.get_rng_state(),
+        save_whole({"key": key, "epoch": epoch, "record": record,    # then the state to continue
+                    "rng": torch.get_rng_state(),                   # from
                     "params": [p.detach().clone() for p in critic.params],
-                    "opt": opt.state_dict()}, tmp)
-        tmp.rename(state_path)
+                    "opt": opt.state_dict()}, state_path)
 
 
 # --- the frozen-feature probe -------------------------------------------------------------------
