@@ -636,8 +636,7 @@ def save_checkpoint(out: Path, model, value_head, opt, state: dict) -> Path:
     (tmp / "state.json").write_text(json.dumps(state, indent=1))
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
-    (out / "checkpoints" / "latest.tmp").write_text(final.name)
-    os.replace(out / "checkpoints" / "latest.tmp", out / "checkpoints" / "latest")
+    write_whole(out / "checkpoints" / "latest", lambda tmp: tmp.write_text(final.name))
     return final
 
 
@@ -1317,9 +1316,15 @@ def write_outcomes(trajs: list, tasks: list, n: int, path: Path) -> None:
                     if isinstance(v, (bool, int, float, str)) and k != "turns"})
         lines.append(json.dumps(row))
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("\n".join(lines) + "\n")
-    tmp.replace(path)
+    write_whole(path, lambda tmp: tmp.write_text("\n".join(lines) + "\n"))
+
+
+def write_whole(path: Path, write: Callable[[Path], object]) -> None:
+    """write(tmp) to a file beside `path`, then rename it over `path`: a crash leaves the old file
+    or the new one, whole, never half of one (evaluation outcomes, `latest`, experiments' caches)."""
+    tmp = path.with_name(path.name + ".tmp")
+    write(tmp)
+    os.replace(tmp, path)
 
 
 def eval_only(ckpt: Path | None, model, value_head, evaluate: Callable[[str], dict],

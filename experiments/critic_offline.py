@@ -43,6 +43,7 @@ from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+import run_utils  # noqa: E402  (the repository root, just put on the path)
 
 OUT = ROOT / "runs" / "critic-offline"
 RESULTS = ROOT / "experiments" / "results" / "smol_hops_critic_offline"
@@ -53,7 +54,6 @@ HELD_OUT = 0.2             # the last 20 % of the collected questions
 def setup(extra: list[str], seed: int, out: Path):
     """The smol_hops config, task and warm-started model (from the shared warm-start cache)."""
     import presets
-    import run_utils
     import train_min
     cfg = train_min.parse_config(["--preset", "smol_hops", "--seed", str(seed),
                                   "--out_dir", str(out / "scratch"), *extra])
@@ -68,7 +68,6 @@ def setup(extra: list[str], seed: int, out: Path):
 
 # --- collect ---------------------------------------------------------------------------------
 def collect(args, extra: list[str]) -> None:
-    import run_utils
     import train_min
     from tqdm import tqdm
     out = Path(args.out)
@@ -83,16 +82,18 @@ def collect(args, extra: list[str]) -> None:
         idx = order[start:start + CHUNK]
         trajs = train_min.rollout(model, tok, suite, [suite.train[i] for i in idx], cfg,
                                   args.n_rollouts)
-        tmp = path.with_suffix(".tmp")
-        with gzip.open(tmp, "wt") as f:
-            for t in trajs:
-                q = suite.train[idx[t.group]]
-                f.write(json.dumps({"q": idx[t.group], "position": start + t.group,
-                                    "answer": q.answer, "hops": q.hops, "reward": t.reward,
-                                    "turns": t.n_turns, "truncated": bool(t.info.get("truncated")),
-                                    "malformed": bool(t.info.get("malformed")),
-                                    "ids": t.ids, "turn_ids": t.turn_ids}) + "\n")
-        tmp.rename(path)                                    # whole files only
+
+        def write(tmp: Path) -> None:                       # this chunk's episodes, one a line
+            with gzip.open(tmp, "wt") as f:
+                for t in trajs:
+                    q = suite.train[idx[t.group]]
+                    f.write(json.dumps({"q": idx[t.group], "position": start + t.group,
+                                        "answer": q.answer, "hops": q.hops, "reward": t.reward,
+                                        "turns": t.n_turns,
+                                        "truncated": bool(t.info.get("truncated")),
+                                        "malformed": bool(t.info.get("malformed")),
+                                        "ids": t.ids, "turn_ids": t.turn_ids}) + "\n")
+        run_utils.write_whole(path, write)                  # whole files only
     (out / "collect.json").write_text(json.dumps(
         {"seed": args.seed, "questions": args.questions, "n_rollouts": args.n_rollouts,
          "flags": extra, "commit": commit()}, indent=1))
@@ -177,13 +178,6 @@ def episodes_of(batch: dict) -> list[dict]:
             for b in range(len(n))]
 
 
-def save_whole(obj, path: Path) -> None:
-    """torch.save to a .tmp first, then rename: a crash leaves the old file or the new, whole."""
-    tmp = path.with_suffix(".tmp")
-    torch.save(obj, tmp)
-    tmp.rename(path)
-
-
 @torch.no_grad()
 def cached(path: Path | None, key: dict, field: str, compute, label: str):
     """compute(), read from / written to `path` (a dict {"key": key, field: value}) when the
@@ -195,7 +189,7 @@ def cached(path: Path | None, key: dict, field: str, compute, label: str):
             return saved[field]
     value = compute()
     if path is not None:
-        save_whole({"key": key, field: value}, path)
+        run_utils.write_whole(path, lambda tmp: torch.save({"key": key, field: value}, tmp))
     return value
 
 
@@ -469,10 +463,9 @@ def fit(args, extra: list[str]) -> None:
               f" | {row['seconds']:.0f} s", flush=True)
         RESULTS.mkdir(parents=True, exist_ok=True)
         (RESULTS / f"fit_{args.name}.json").write_text(json.dumps(record, indent=1))
-        save_whole({"key": key, "epoch": epoch, "record": record,    # then the state to continue
-                    "rng": torch.get_rng_state(),                   # from
-                    "params": [p.detach().clone() for p in critic.params],
-                    "opt": opt.state_dict()}, state_path)
+        state = {"key": key, "epoch": epoch, "record": record, "rng": torch.get_rng_state(),
+                 "params": [p.detach().clone() for p in critic.params], "opt": opt.state_dict()}
+        run_utils.write_whole(state_path, lambda tmp: torch.save(state, tmp))  # to continue from
 
 
 # --- the frozen-feature probe -------------------------------------------------------------------
@@ -588,7 +581,6 @@ class SGDHead(nn.Module):
     standardised features (run_utils.RunningMoments), trained by AdamW steps."""
 
     def __init__(self, hidden: int):
-        import run_utils
         super().__init__()
         self.stats, self.linear = run_utils.RunningMoments(hidden), nn.Linear(hidden, 1)
         nn.init.zeros_(self.linear.weight)
@@ -666,7 +658,6 @@ def replay_ridge(rows: list[dict], cfg, steps: int, seed: int, target: str = "R"
     or over whole questions (cv "question"). Returns the head, each step's λ and each step's
     fresh-batch EV against R(τ) before its refit (the trainer's `critic/ev_outcome`:
     token-weighted; NaN on a batch with one reward for all)."""
-    import run_utils
     head = run_utils.TurnValueHead(rows[0]["x"].shape[-1], layer=0, cv=cv)
     per_step = cfg.questions_per_step * cfg.n_rollouts
     order = replay_order(rows, seed, grouped)
@@ -817,7 +808,6 @@ def transfer(args, extra: list[str]) -> dict:
     import copy
 
     import mpo
-    import run_utils
     from experiments.final_critics import turn_start_stats
     from safetensors.torch import load_file
     out = Path(args.out)

@@ -330,3 +330,19 @@ def test_every_preset_and_variant_passes_the_config_checks():
         for variant in train_min.VARIANTS:
             cfg = train_min.parse_config(["--preset", preset, "--variant", variant])
             run_utils.check_config(cfg)
+
+
+def test_write_whole_replaces_a_file_whole_and_a_failed_write_leaves_the_old_one(tmp_path):
+    path = tmp_path / "latest"
+    run_utils.write_whole(path, lambda tmp: tmp.write_text("step_000002"))
+    assert path.read_text() == "step_000002"
+
+    def crash(tmp):                      # half written, then the process dies
+        tmp.write_text("step_0")
+        raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        run_utils.write_whole(path, crash)
+    assert path.read_text() == "step_000002"
+    run_utils.write_whole(path, lambda tmp: tmp.write_text("step_000004"))
+    assert path.read_text() == "step_000004"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest"]      # no .tmp left behind
