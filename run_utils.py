@@ -164,6 +164,9 @@ def check_config(cfg) -> None:
     if cfg.variant in ("grpo", "gspo") and cfg.n_rollouts < 2:
         raise ConfigError(f"--variant {cfg.variant} needs --n_rollouts >= 2: the group-relative "
                           "advantages of a group of one episode are all zero")
+    if not getattr(cfg, "grpo_scale", True) and cfg.variant not in ("grpo", "gspo"):
+        raise ConfigError(f"--grpo_scale false changes GRPO's group advantages; --variant "
+                          f"{cfg.variant} has none: drop the flag or use --variant grpo")
     if cfg.variant == "vapo" and cfg.vapo_value_steps >= cfg.steps and not cfg.eval_only:
         # (a default above the run is halved in parse_with_presets; a given one is refused)
         raise ConfigError(f"--vapo_value_steps {cfg.vapo_value_steps} leaves no policy update in "

@@ -144,6 +144,8 @@ class Config:
     vf_coef: float = arg(0.5, "weight of the critic loss")
     kl_coef: float = arg(0.0, "KL(π ‖ base) penalty (k3); the base = the model without adapters")
     n_rollouts: int = arg(4, "episodes per question (§10: n = 4); the GRPO group size")
+    grpo_scale: bool = arg(True, "GRPO / GSPO: divide by the group's std (false: Dr. GRPO, "
+                           "Liu et al., 2025: R - group mean only)")
     questions_per_step: int = arg(16, "questions per step (§10: batch 16)")
     ppo_epochs: int = arg(1, "passes over each batch")
     critic_epochs: int = arg(0, "critic passes over each batch (0: as --ppo_epochs); more than "
@@ -527,7 +529,7 @@ def compute_advantages(batch, cfg: Config) -> None:
     elif cfg.variant == "ppo":                                       # token GAE baseline
         adv, ret = mpo.token_gae(rewards, values, turn_ids >= 0, lam=cfg.ppo_lam)
     else:                                                            # GRPO / GSPO
-        adv = mpo.grpo_advantages(scores, batch["groups"], turn_ids)
+        adv = mpo.grpo_advantages(scores, batch["groups"], turn_ids, scale=cfg.grpo_scale)
         ret = torch.zeros_like(adv)
     batch["advantages"], batch["returns"] = adv, ret                 # (B, T), (B, T)
 

@@ -173,7 +173,14 @@ def run_one(job: dict) -> dict:
 
 
 def train_locked(job: dict, out: Path) -> dict:
-    """run_one's work, with the run folder's lock held."""
+    """run_one's work, with the run folder's lock held.
+
+    Provenance: each sitting (a start or a resumption) is listed in the marker's `sittings` the
+    moment it starts, with the commit its process loaded, the CPU, and, when the checkout had
+    uncommitted changes, their diff saved beside the marker (`code-<hash>.diff`, see code_state),
+    so a record's code can be rebuilt as `git checkout <commit> && git apply <diff>`. `commits`
+    and `wall_s` carry over from earlier sittings; a sitting killed before it returned keeps
+    wall_s None there and the marker's `wall_s_complete` false (its time is unknown, not 0)."""
     previous = read_marker(out)
     resume = bool(previous and previous["argv"] == job["argv"]
                   and (out / "checkpoints" / "latest").exists())
@@ -182,11 +189,22 @@ def train_locked(job: dict, out: Path) -> dict:
     if job.get("threads"):
         torch.set_num_threads(job["threads"])   # tiny matmuls: one thread per worker beats two
     import train_min
-    commit = code_commit()                      # the code this process has loaded and runs
+    commit, diff = code_state()                 # the code this process has loaded and runs
     steps = train_min.parse_config(job["argv"]).steps
     out.mkdir(parents=True, exist_ok=True)
-    marker = {"argv": job["argv"], "steps": steps, "finished": False, **job.get("meta", {})}
-    (out / MARKER).write_text(json.dumps(marker, indent=1))
+    sitting = {"commit": commit, "diff": None, "cpu": cpu_kind(),
+               "started": time.strftime("%Y-%m-%dT%H:%M:%S"), "wall_s": None}
+    if diff:
+        sitting["diff"] = diff_name(diff)
+        (out / sitting["diff"]).write_text(diff)
+    earlier = (previous or {}) if resume else {}
+    sittings = [*earlier.get("sittings", []), sitting]
+    commits = list(dict.fromkeys([*earlier.get("commits", []), commit]))  # each sitting's, in order
+    marker = {"argv": job["argv"], "steps": steps, "finished": False, **job.get("meta", {}),
+              "commits": commits, "sittings": sittings, "wall_s": earlier.get("wall_s", 0.0),
+              "wall_s_complete": earlier.get("wall_s_complete", True)
+              and all(x["wall_s"] is not None for x in earlier.get("sittings", []))}
+    run_utils_write(out / MARKER, json.dumps(marker, indent=1))     # a killed sitting stays listed
     print(f"[grid] {out.name}: {'resuming' if resume else 'training'}, log in {out / 'log.txt'}",
           flush=True)
     t0 = time.perf_counter()
@@ -194,28 +212,80 @@ def train_locked(job: dict, out: Path) -> dict:
             contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
         row = train(job["argv"] + (["--resume"] if resume else ["--overwrite"]))
         reached = row.get("step", 0) if row else last_step(out)
-        commits = (previous.get("commits", []) if resume else []) + [commit]
+        sitting["wall_s"] = time.perf_counter() - t0
         marker.update(step=reached, finished=reached == steps,
-                      wall_s=time.perf_counter() - t0 + (previous.get("wall_s", 0.0) if resume
-                                                         else 0.0),
-                      commits=list(dict.fromkeys(commits)))   # the code of each sitting, in order
+                      wall_s=marker["wall_s"] + sitting["wall_s"])
         measure = marker["finished"] and job.get("measure_critic")
         marker["structure"] = critic_structure(out) if measure else {}
-    (out / MARKER).write_text(json.dumps(marker, indent=1))
+    run_utils_write(out / MARKER, json.dumps(marker, indent=1))
     return marker
 
 
-LOADED_COMMIT: list[str] = []       # this process's code_commit(), read at its first run
+def run_utils_write(path: Path, text: str) -> None:
+    """Write the marker whole (beside, then rename): a crash leaves the old one or the new one."""
+    import run_utils
+    run_utils.write_whole(path, lambda f: f.write_text(text))
+
+
+LOADED_CODE: list[tuple[str, str | None]] = []   # this process's code_state(), read at its first run
+
+
+def code_state() -> tuple[str, str | None]:
+    """(commit, diff) of the code this process runs: git_commit() and git_diff() read once, at the
+    process's first run, when train_min and the testbed are imported. A grid worker keeps them
+    loaded for the whole grid, so the checkout at a later run (after a commit or an edit made
+    meanwhile) is not the code that ran."""
+    if not LOADED_CODE:
+        LOADED_CODE.append((git_commit(), git_diff()))
+    return LOADED_CODE[0]
 
 
 def code_commit() -> str:
-    """The commit of the code this process runs: git_commit() read once, at the process's first
-    run, when train_min and the testbed are imported. A grid worker keeps them loaded for the
-    whole grid, so the checkout's commit at a later run (after a commit made meanwhile) is not
-    the code that ran."""
-    if not LOADED_COMMIT:
-        LOADED_COMMIT.append(git_commit())
-    return LOADED_COMMIT[0]
+    """The commit of the code this process runs (code_state's first half)."""
+    return code_state()[0]
+
+
+def diff_name(diff: str) -> str:
+    """The file name a diff is saved under, named by its content: code-<sha256, 12 hex>.diff."""
+    import hashlib
+    return f"code-{hashlib.sha256(diff.encode()).hexdigest()[:12]}.diff"
+
+
+def git_diff() -> str | None:
+    """The checkout's uncommitted changes as one patch against HEAD (None when there are none):
+    tracked files' changes and untracked, not ignored files in full, so `git apply` on a checkout
+    of HEAD rebuilds the tree that ran. docs/ is left out (pages and committed results, which no
+    run imports)."""
+    try:
+        git = ["git", "-C", str(ROOT)]
+        spec = ["--", ".", ":(exclude)docs"]
+        patch = subprocess.run([*git, "diff", "--binary", "HEAD", *spec], capture_output=True,
+                               text=True, check=True).stdout
+        new = subprocess.run([*git, "ls-files", "--others", "--exclude-standard", *spec],
+                             capture_output=True, text=True, check=True).stdout.split()
+        for f in new:                   # `git diff --no-index` exits 1 when files differ
+            patch += subprocess.run([*git, "diff", "--binary", "--no-index", "/dev/null", f],
+                                    capture_output=True, text=True, cwd=ROOT).stdout
+        return patch or None
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def cpu_kind() -> str:
+    """The CPU's model name and the instruction sets that change float kernels (greedy outcomes
+    differ across CPU kinds: pair results only within one), e.g. "AMD EPYC (avx512f)"."""
+    name, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    kinds = [f for f in ("avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+    return f"{name} ({', '.join(kinds) or 'no avx512'})"
 
 
 def critic_structure(run_dir: Path, n: int = 4) -> dict:
@@ -263,15 +333,21 @@ def critic_structure(run_dir: Path, n: int = 4) -> dict:
 
 def critic_vs_outcome(values, scores, turn_ids, tokens_per_turn: int = 1) -> dict:
     """The critic against the episode's outcome R (one number per episode, on all its action
-    tokens): explained variance 1 − Var(R − V) / Var(R) over all action tokens (`ev_R`) and over
-    those after the first (logical) turn (`ev_R_later_turns`; streaming: turns of
-    `tokens_per_turn` one-token turns). With --testbed_decisive first, R is settled once turn 0
-    is written, so a critic that reads the decision has ev_R_later_turns near 1."""
+    tokens): explained variance 1 − Var(R − V) / Var(R) over all action tokens (`ev_R`), over
+    those after the first (logical) turn (`ev_R_later_turns`) and on each turn k's own tokens
+    (`ev_R_turn<k>`; streaming: turns of `tokens_per_turn` one-token turns). With
+    --testbed_decisive first, R is settled once turn 0 is written, so a critic that reads the
+    decision has ev_R_later_turns near 1."""
+    import torch
     import mpo
     R = scores[:, None].expand_as(values)                                      # (B, T)
     later = turn_ids.masked_fill(turn_ids < tokens_per_turn, -1)               # (B, T)
+    logical = torch.where(turn_ids >= 0, turn_ids // tokens_per_turn, -1)     # (B, T)
+    per_turn = {f"ev_R_turn{k}": logical.masked_fill(logical != k, -1)
+                for k in range(int(logical.max()) + 1)}
     return {name: float(mpo.explained_variance(values, R, ids, validate=False))
-            for name, ids in (("ev_R", turn_ids), ("ev_R_later_turns", later))}
+            for name, ids in (("ev_R", turn_ids), ("ev_R_later_turns", later),
+                              *per_turn.items())}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -775,8 +851,15 @@ def mean_of(rows: list[dict], key: str, last_n: int | None = None) -> float | No
 
 def v2_record(marker: dict, rows: list[dict]) -> dict:
     """One finished run's raw record: the primary metric (final = validation reward under greedy
-    decoding at the run's last evaluation), its curve, and the mechanism gates of its metrics."""
-    curve = [(r["step"], r["val/reward"]) for r in rows if "val/reward" in r]
+    decoding at the run's last evaluation), its curve, and the mechanism gates of its metrics.
+
+    A run that began with a critic-only warm-up (marker "warmup": W, a run of W + N updates)
+    is scored on its N policy updates: its curve, final and AUC keep the evaluations after
+    update W, renumbered by policy update (1..N), and `ev_at_warmup_end` is its critic's EV at
+    update W; the markers of sittings (commit, diff, CPU) become the record's `code`."""
+    warmup = marker.get("warmup", 0)
+    curve = [(r["step"] - warmup, r["val/reward"]) for r in rows
+             if "val/reward" in r and r["step"] > warmup]
     ev = "critic/explained_variance"
     structure = marker.get("structure") or {}
     return {
@@ -793,11 +876,18 @@ def v2_record(marker: dict, rows: list[dict]) -> dict:
         "within_turn_share": rounded(mean_of(rows, "adv/within_turn_share")),
         "tokens_per_turn": rounded(mean_of(rows, "train/tokens_per_turn"), 2),
         "critic": {k: rounded(structure[k]) for k in
-                   ("ev_R", "ev_R_later_turns", "between_share_token_median",
+                   ("ev_R", "ev_R_later_turns", "ev_R_turn0", "ev_R_turn1", "ev_R_turn2",
+                    "between_share_token_median",
                     "boundary_share_sq_changes", "grouped_between_share_token_median",
                     "grouped_boundary_share_sq_changes") if k in structure},
         "wall_s": rounded(marker.get("wall_s"), 1),
         "commits": marker.get("commits"),          # the commit(s) that trained it (None: older)
+        **({"code": [{k: x[k] for k in ("commit", "diff", "cpu")} for x in marker["sittings"]],
+            "wall_s_complete": marker.get("wall_s_complete", True)}
+           if marker.get("sittings") else {}),
+        **({"arm": marker["arm"]} if "arm" in marker else {}),
+        **({"warmup": warmup, "ev_at_warmup_end": rounded(
+            next((r.get(ev) for r in rows if r["step"] == warmup), None))} if warmup else {}),
     }
 
 

@@ -77,7 +77,7 @@ def test_a_run_stopped_before_its_last_step_is_not_finished_and_resumes(tiny_mod
         return real(*args, **kwargs)
     monkeypatch.setattr(mpo, "outcome_rewards", preempted)
     monkeypatch.setattr(grid, "git_commit", lambda: "aaa1111")    # the first sitting's code
-    monkeypatch.setattr(grid, "LOADED_COMMIT", [])                 # a fresh process
+    monkeypatch.setattr(grid, "LOADED_CODE", [])                 # a fresh process
     job = tiny_job(tiny_model, tmp_path / "run")
     with pytest.raises(SystemExit, match="stopped at step 1 of 2"):
         grid.run_jobs([job])
@@ -89,7 +89,7 @@ def test_a_run_stopped_before_its_last_step_is_not_finished_and_resumes(tiny_mod
     monkeypatch.setattr(mpo, "outcome_rewards", real)
     assert not (tmp_path / "run" / ".lock").exists()              # released when it stopped
     monkeypatch.setattr(grid, "git_commit", lambda: "bbb2222")    # resumed on newer code,
-    monkeypatch.setattr(grid, "LOADED_COMMIT", [])                 # in a new process
+    monkeypatch.setattr(grid, "LOADED_CODE", [])                 # in a new process
     [marker] = grid.run_jobs([job])
     assert (marker["finished"], marker["step"]) == (True, 2)
     assert marker["commits"] == ["aaa1111", "bbb2222"]           # both sittings, in order
@@ -137,8 +137,80 @@ def test_a_run_another_grid_finished_meanwhile_is_not_trained_again(tmp_path, mo
     assert not (tmp_path / ".lock").exists()                     # the lock was released
 
 
+def test_each_sitting_records_its_code_and_a_killed_sitting_keeps_its_commit(tmp_path,
+                                                                           monkeypatch):
+    """Provenance across sittings: the marker lists a sitting the moment it starts (commit, CPU,
+    the dirty tree's diff saved beside it), so a sitting killed mid-run keeps its commit and
+    marks the wall time incomplete; a resumed sitting adds its own, and wall_s accumulates."""
+    out = tmp_path / "run"
+    job = {"out": str(out), "argv": ["--preset", "tiny", "--steps", "2", "--out_dir", str(out)],
+           "meta": {"seed": 0}}
+    monkeypatch.setattr(grid, "LOADED_CODE", [])
+    monkeypatch.setattr(grid, "git_commit", lambda: "aaa1111+uncommitted changes")
+    monkeypatch.setattr(grid, "git_diff", lambda: "diff --git a/mpo.py b/mpo.py\n+# edit\n")
+
+    def killed(argv):
+        raise RuntimeError("the session ended")            # before train returns
+    monkeypatch.setattr(grid, "train", killed)
+    with pytest.raises(RuntimeError, match="session ended"):
+        grid.run_one(job)
+    marker = grid.read_marker(out)
+    [first] = marker["sittings"]
+    assert first["commit"] == "aaa1111+uncommitted changes" and first["wall_s"] is None
+    assert (out / first["diff"]).read_text() == "diff --git a/mpo.py b/mpo.py\n+# edit\n"
+    assert first["diff"] == grid.diff_name("diff --git a/mpo.py b/mpo.py\n+# edit\n")
+    assert first["cpu"] == grid.cpu_kind() and marker["commits"] == [first["commit"]]
+    assert marker["finished"] is False
+    (out / "checkpoints").mkdir()
+    (out / "checkpoints" / "latest").write_text("step-1")   # it had checkpointed step 1
+    monkeypatch.setattr(grid, "LOADED_CODE", [])             # resumed in a new process, clean
+    monkeypatch.setattr(grid, "git_commit", lambda: "bbb2222")
+    monkeypatch.setattr(grid, "git_diff", lambda: None)
+    seen = []
+
+    def resumed(argv):
+        seen.append(argv)
+        return {"step": 2}
+    monkeypatch.setattr(grid, "train", resumed)
+    marker = grid.run_one(job)
+    assert seen[0][-1] == "--resume"
+    assert marker["finished"] and marker["commits"] == ["aaa1111+uncommitted changes", "bbb2222"]
+    assert [s["commit"] for s in marker["sittings"]] == marker["commits"]
+    assert marker["sittings"][1]["diff"] is None and marker["sittings"][1]["wall_s"] > 0
+    assert marker["wall_s"] == pytest.approx(marker["sittings"][1]["wall_s"])
+    assert marker["wall_s_complete"] is False               # the killed sitting's time is unknown
+    record = grid.v2_record({**marker, "setting": "s", "regime": "v2", "variant": "mpo",
+                             "turn_len": 4}, [{"step": 2, "val/reward": 0.5}])
+    assert record["code"] == [{k: s[k] for k in ("commit", "diff", "cpu")}
+                              for s in marker["sittings"]]
+    assert record["wall_s_complete"] is False
+
+
+def test_git_diff_rebuilds_the_dirty_tree_untracked_files_included(tmp_path, monkeypatch):
+    """git_diff on a scratch repository: `git apply` of its patch on a clean checkout of HEAD
+    gives back the edited tracked file and the new untracked one; a clean tree gives None."""
+    import subprocess
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git = lambda *a: subprocess.run(["git", "-C", str(repo), *a], check=True,
+                                    capture_output=True, text=True)
+    git("init", "-q")
+    (repo / "a.py").write_text("x = 1\n")
+    git("add", "a.py")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
+    monkeypatch.setattr(grid, "ROOT", repo)
+    assert grid.git_diff() is None
+    (repo / "a.py").write_text("x = 2\n")
+    (repo / "b.py").write_text("y = 3\n")
+    patch = grid.git_diff()
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "-q", str(repo), str(clone)], check=True)
+    subprocess.run(["git", "-C", str(clone), "apply", "-"], input=patch, text=True, check=True)
+    assert (clone / "a.py").read_text() == "x = 2\n" and (clone / "b.py").read_text() == "y = 3\n"
+
+
 def test_code_commit_is_the_commit_a_process_loaded_not_a_later_checkout(monkeypatch):
-    monkeypatch.setattr(grid, "LOADED_COMMIT", [])
+    monkeypatch.setattr(grid, "LOADED_CODE", [])
     monkeypatch.setattr(grid, "git_commit", lambda: "aaa1111")
     assert grid.code_commit() == "aaa1111"
     monkeypatch.setattr(grid, "git_commit", lambda: "bbb2222")   # committed while it runs

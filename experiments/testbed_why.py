@@ -1,0 +1,458 @@
+"""Why MPO lost where its premise held: mechanism arms and equal tuning in the testbed cell
+d = 1, L = 16 (v3-d1-L16; docs/testbed.md, "Why MPO lost at d = 1, L = 16"; issue 51).
+
+    python experiments/testbed_why.py run                  # every phase, resumable (~75 min, 2 cores)
+    python experiments/testbed_why.py run --phase mechanisms   # control + mechanism arms only
+    python experiments/testbed_why.py run --phase tuning       # the learning-rate grid, tuning seeds
+    python experiments/testbed_why.py run --phase tuned        # each variant at its own choice
+    python experiments/testbed_why.py collect              # records of the runs finished so far
+    python experiments/testbed_why.py report               # tables, figure, page section again
+
+Design (fixed before the runs; docs/testbed.md states it with the predictions):
+- The cell: v3's regime (K = 3 turns, turn 0's key alone decides R, key anywhere, full turns,
+  no feedback) with the verdict at the next boundary (d = 1), L = 16, 60 policy updates, greedy
+  validation on 32 held-out tasks every 5 updates; seeds 0-9.
+- `control`: v3's run of each variant (A, C, GRPO, PPO, SAO), re-run on this machine so every
+  comparison pairs runs of one CPU kind (greedy outcomes differ across CPU kinds).
+- Mechanism arms (ARMS): what differs from the control is the arm's flags, nothing else.
+- Equal tuning: the policy learning rate from LR_POLICY and, for the critic methods, the critic's
+  (adapter and value head together) from LR_CRITIC, on the tuning seeds 100-102 (never the
+  study's); each variant's pair is the one with the highest mean AUC there (ties: the default if
+  tied, else the first in grid order); then `tuned` runs seeds 0-9 at it (a variant whose choice is
+  the default has its control as its tuned runs).
+- Records: one per run in RESULTS (v3's record format, with `arm` and, per sitting, the commit, the
+  CPU and the diff of uncommitted code, saved under docs/testbed/why/diffs/).
+- Tests: paired t-tests by seed of every row against the control A and against the control GRPO
+  (final success; Holm over these), the same for AUC (its own Holm family); the tuned variants
+  against tuned A and tuned GRPO (Holm over those).
+Runs go to --out (default runs/testbed-why; git-ignored): one folder per run, one writer each,
+resumed where a run stopped (experiments/grid.py's run_jobs).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from experiments import grid  # noqa: E402
+
+ROOT = grid.ROOT
+CELL, REGIME, TURN_LEN, DELAY = "v3-d1-L16", "v3-d1", 16, 1
+FLAGS = [*grid.V2_FLAGS, "--testbed_verdict_delay", str(DELAY)]
+STEPS = grid.V2_STEPS                               # policy updates, as v3
+SEEDS = tuple(range(10))
+TUNE_SEEDS = (100, 101, 102)
+WARMUP = 30      # critic-only updates: v3's A critic first reached EV 0.5 (vs its target) at ~30
+RESULTS = ROOT / "docs" / "testbed" / "why" / "results.json"
+PAGE_SECTION = "why-tables"
+
+CONTROL_VARIANTS = ("mpo", "mpo_beta0", "grpo", "ppo", "sao")
+# arm -> (variants, train_min flags, what differs from v3's run of the variant)
+ARMS = {
+    "control": (CONTROL_VARIANTS, [], "v3's run (re-run on this machine)"),
+    "lam_intra1": (("mpo", "mpo_beta0"), ["--lam_intra", "1"], "λ_intra = 1"),
+    "warmup30": (("mpo", "mpo_beta0"), ["--critic_warmup_steps", str(WARMUP)],
+                 f"{WARMUP} critic-only updates before the 60 policy updates"),
+    "turn_critic": (("mpo_beta0",), ["--critic", "turn"],
+                    "§12's turn critic (ridge head on a frozen layer, refitted every update)"),
+    "group4x16": (("grpo",), ["--n_rollouts", "4", "--questions_per_step", "16"],
+                  "4 rollouts × 16 tasks (the critic methods' batch shape is 8 × 8 too)"),
+    "dr_grpo": (("grpo",), ["--grpo_scale", "false"], "no division by the group's std (Dr. GRPO)"),
+    "kl0": (("mpo", "mpo_beta0", "grpo"), ["--kl_coef", "0"], "kl_coef 0 (v3: 0.1)"),
+}
+TUNE_VARIANTS = ("mpo", "mpo_beta0", "grpo", "ppo", "sao")
+LR_POLICY = (1e-3, 3e-3, 1e-2)
+LR_CRITIC = (3e-3, 1e-2)
+DEFAULT_LR = (3e-3, 3e-3)          # the testbed preset's lr_policy and lr_critic (= lr_value_head)
+SHORT = grid.SHORT
+
+
+def lr_pairs(variant: str) -> list[tuple[float, float | None]]:
+    """The tuning grid of a variant: (policy lr, critic lr); GRPO has no critic (None)."""
+    if variant in ("grpo", "gspo"):
+        return [(p, None) for p in LR_POLICY]
+    return [(p, c) for p in LR_POLICY for c in LR_CRITIC]
+
+
+def lr_arm(pair: tuple[float, float | None]) -> str:
+    """E.g. (0.001, 0.01) -> "tune-p0.001-c0.01"; (0.003, None) -> "tune-p0.003"."""
+    return f"tune-p{pair[0]:g}" + (f"-c{pair[1]:g}" if pair[1] is not None else "")
+
+
+def lr_flags(pair: tuple[float, float | None]) -> list[str]:
+    flags = ["--lr_policy", f"{pair[0]:g}"]
+    if pair[1] is not None:
+        flags += ["--lr_critic", f"{pair[1]:g}", "--lr_value_head", f"{pair[1]:g}"]
+    return flags
+
+
+def is_default(variant: str, pair) -> bool:
+    return pair[0] == DEFAULT_LR[0] and (pair[1] is None or pair[1] == DEFAULT_LR[1])
+
+
+def job(root: Path, cache: Path, arm: str, variant: str, seed: int, flags: list[str],
+        extra: list[str]) -> dict:
+    """One run of the cell under root/runs/<arm>-<variant>-s<seed>."""
+    warmup = int(flags[flags.index("--critic_warmup_steps") + 1]) \
+        if "--critic_warmup_steps" in flags else 0
+    return grid.testbed_job(root, arm, variant, seed, STEPS + warmup, TURN_LEN,
+                            [*FLAGS, *flags, *extra],
+                            {"setting": CELL, "regime": REGIME, "arm": arm, "warmup": warmup,
+                             "streaming": False, "feedback": False, "verdict_delay": DELAY},
+                            cache)
+
+
+def mechanism_jobs(root: Path, cache: Path, extra: list[str], seeds=SEEDS) -> list[dict]:
+    """The control and the mechanism arms, seed by seed (a grid stopped early holds complete
+    seeds of every arm: its paired comparisons are usable)."""
+    jobs = [job(root, cache, arm, v, s, flags, extra)
+            for s in seeds for arm, (variants, flags, _) in ARMS.items() for v in variants]
+    return jobs
+
+
+def tuning_jobs(root: Path, cache: Path, extra: list[str]) -> list[dict]:
+    return [job(root, cache, lr_arm(pair), v, s, lr_flags(pair), extra)
+            for s in TUNE_SEEDS for v in TUNE_VARIANTS for pair in lr_pairs(v)]
+
+
+def choose(records: list[dict]) -> dict[str, dict]:
+    """Each tuned variant's learning rates: the pair with the highest mean AUC over the tuning
+    seeds (a variant with any pair short of its seeds is left out: not yet tuned)."""
+    out = {}
+    for v in TUNE_VARIANTS:
+        scores = []
+        for pair in lr_pairs(v):
+            aucs = [r["auc"] for r in records if r.get("arm") == lr_arm(pair)
+                    and r["variant"] == v and r["seed"] in TUNE_SEEDS]
+            if len(aucs) < len(TUNE_SEEDS):
+                break
+            scores.append((pair, statistics.mean(aucs)))
+        else:
+            best = max(s for _, s in scores)
+            tied = [p for p, s in scores if s == best]
+            pick = next((p for p in tied if is_default(v, p)), tied[0])
+            out[v] = {"pair": pick, "auc": best, "default": is_default(v, pick),
+                      "grid": [[list(p), s] for p, s in scores]}
+    return out
+
+
+def tuned_jobs(root: Path, cache: Path, extra: list[str], chosen: dict) -> list[dict]:
+    """Seeds 0-9 of each tuned variant at its choice, except where the choice is the default
+    (its control runs are its tuned runs)."""
+    return [job(root, cache, "tuned", v, s, lr_flags(c["pair"]), extra)
+            for s in SEEDS for v, c in chosen.items() if not c["default"]]
+
+
+# --- records ----------------------------------------------------------------------------------
+
+def collect(out: Path) -> list[dict]:
+    """The records of the finished runs under out/runs (v3's format plus `arm`)."""
+    import run_utils
+    records = []
+    for f in sorted((out / "runs").glob(f"*/{grid.MARKER}")):
+        marker = json.loads(f.read_text())
+        if marker.get("finished") and marker.get("arm"):
+            records.append(grid.v2_record(marker, run_utils.read_metrics(f.parent /
+                                                                         "metrics.jsonl")))
+    return records
+
+
+def key(r: dict) -> tuple:
+    return (r["arm"], r["variant"], r["seed"])
+
+
+def order(r: dict) -> tuple:
+    arms = list(ARMS) + ["tuned"]
+    return (r["seed"] in TUNE_SEEDS, arms.index(r["arm"]) if r["arm"] in arms else 99, r["arm"],
+            list(grid.LABELS).index(r["variant"]), r["seed"])
+
+
+def save(out: Path, results: Path, argv: list[str], planned: int) -> list[dict]:
+    """Write the records of the finished runs into results, keeping records already there whose
+    run folder is gone; copy each sitting's diff beside them (diffs/), so every record's code
+    can be rebuilt from the repository alone."""
+    records = collect(out)
+    have = {key(r) for r in records}
+    old = [r for r in json.loads(results.read_text())["runs"] if key(r) not in have] \
+        if results.exists() else []
+    records = sorted(records + old, key=order)
+    diffs = results.parent / "diffs"
+    for r in records:
+        for c in r.get("code", []):
+            if c["diff"] and not (diffs / c["diff"]).exists():
+                src = out / "runs" / f"{r['arm']}-{r['variant']}-s{r['seed']}" / c["diff"]
+                diffs.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(src, diffs / c["diff"])
+    grid.write_results(results, {
+        "command": "python experiments/testbed_why.py " + " ".join(argv), "runs": len(records),
+        "planned": planned, "kept_from_file": len(old), "commit": grid.git_commit(),
+        "run_min_total": round(sum(r["wall_s"] or 0 for r in records) / 60, 1),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {grid.cpu_kind()}",
+        "python": platform.python_version()}, records)
+    return records
+
+
+def load(results: Path = RESULTS) -> list[dict]:
+    records = json.loads(results.read_text())["runs"]
+    for r in records:
+        grid.check_record(r, results)
+    return records
+
+
+# --- tables -----------------------------------------------------------------------------------
+
+def row_label(arm: str, variant: str) -> str:
+    return f"{SHORT.get(variant, variant)}, {arm}"
+
+
+def rows_of(records: list[dict]) -> dict[tuple[str, str], list[dict]]:
+    """(arm, variant) -> its records on the study's seeds, in table order."""
+    out: dict[tuple[str, str], list[dict]] = {}
+    for r in sorted(records, key=order):
+        if r["seed"] in SEEDS:
+            out.setdefault((r["arm"], r["variant"]), []).append(r)
+    return out
+
+
+def updates_to_half(r: dict) -> int | None:
+    return grid.updates_to([tuple(p) for p in r["curve"]], 0.5)
+
+
+def arm_table(records: list[dict]) -> str:
+    head = ["arm", "variant", "seeds", "final success", "AUC", "updates to 50 % (reached)",
+            "critic EV vs R: turn 0 / 1 / 2", "between-turn share", "boundary share",
+            "EV at warm-up end"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for (arm, v), rs in rows_of(records).items():
+        reach = [u for u in map(updates_to_half, rs) if u is not None]
+        ev = " / ".join(grid.mean_se([r["critic"].get(f"ev_R_turn{k}") for r in rs], 1.0, 2)
+                        .split(" ±")[0] for k in range(3))
+        lines.append("| " + " | ".join([
+            arm, SHORT.get(v, v), str(len(rs)), grid.mean_se([r["final"] for r in rs]),
+            grid.mean_se([r["auc"] for r in rs]),
+            (f"{statistics.mean(reach):.0f} ({len(reach)}/{len(rs)})" if reach
+             else f"– (0/{len(rs)})"),
+            ev if v != "grpo" else "–",
+            grid.mean_se([r["critic"].get("between_share_token_median") for r in rs], 1.0, 2),
+            grid.mean_se([r["critic"].get("boundary_share_sq_changes") for r in rs], 1.0, 2),
+            grid.mean_se([r.get("ev_at_warmup_end") for r in rs], 1.0, 2)]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def paired(records: list[dict], refs: list[tuple[str, str]], metric: str,
+           rows: list[tuple[str, str]] | None = None) -> list[dict]:
+    """Every row minus each reference row on `metric`, paired by seed, with Holm over exactly
+    these comparisons."""
+    cells = rows_of(records)
+    by = {(a, v, r["seed"]): r[metric] for (a, v), rs in cells.items() for r in rs}
+    comps = []
+    for ref in refs:
+        for row in rows or list(cells):
+            if row == ref:
+                continue
+            seeds = [s for s in SEEDS if (*row, s) in by and (*ref, s) in by]
+            if len(seeds) < 2:
+                continue
+            t = grid.paired_t([by[(*row, s)] for s in seeds], [by[(*ref, s)] for s in seeds])
+            comps.append({"row": row, "ref": ref, **t})
+    for c, p in zip(comps, grid.holm([c["p"] for c in comps])):
+        c["p_holm"] = p
+    return comps
+
+
+def paired_table(comps: list[dict], metric: str) -> str:
+    refs = list(dict.fromkeys(c["ref"] for c in comps))
+    rows = list(dict.fromkeys(c["row"] for c in comps))
+    by = {(c["row"], c["ref"]): c for c in comps}
+    head = ["arm", "variant"] + [f"− {row_label(*ref)}: Δ {metric} (p → Holm p)" for ref in refs]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in rows:
+        cells = []
+        for ref in refs:
+            c = by.get((row, ref))
+            if c is None:
+                cells.append("–")
+                continue
+            text = (f"{100 * c['mean']:+.1f} ± {100 * c['se']:.1f} "
+                    f"({grid.fmt_p(c['p'])} → {grid.fmt_p(c['p_holm'])})")
+            cells.append(f"**{text}**" if c["p_holm"] < grid.ALPHA else text)
+        lines.append("| " + " | ".join([row[0], SHORT.get(row[1], row[1]), *cells]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def tuning_table(records: list[dict]) -> str:
+    chosen = choose(records)
+    head = ["variant", *[f"p {p:g}" + (f", c {c:g}" if c else "") for p in LR_POLICY
+                         for c in LR_CRITIC], "chosen"]
+    lines = ["| variant | " + " | ".join(f"policy {p:g}" for p in LR_POLICY) + " | chosen |",
+             "|---|" + "---|" * (len(LR_POLICY) + 1)]
+    del head
+    for v in TUNE_VARIANTS:
+        cells = []
+        for p in LR_POLICY:
+            parts = []
+            for pair in [q for q in lr_pairs(v) if q[0] == p]:
+                aucs = [r["auc"] for r in records if r.get("arm") == lr_arm(pair)
+                        and r["variant"] == v and r["seed"] in TUNE_SEEDS]
+                mean = f"{100 * statistics.mean(aucs):.1f}" if aucs else "–"
+                parts.append(mean + (f" (c {pair[1]:g})" if pair[1] else "")
+                             + ("" if len(aucs) in (0, len(TUNE_SEEDS)) else f" [{len(aucs)}]"))
+            cells.append(" / ".join(parts))
+        c = chosen.get(v)
+        pick = ("–" if c is None else f"policy {c['pair'][0]:g}"
+                + (f", critic {c['pair'][1]:g}" if c["pair"][1] else "")
+                + (" (the default)" if c["default"] else ""))
+        lines.append(f"| {SHORT.get(v, v)} | " + " | ".join(cells) + f" | {pick} |")
+    return "\n".join(lines) + "\n"
+
+
+def tuned_rows(records: list[dict]) -> list[dict]:
+    """The tuned runs of each variant: `tuned` records, or the control's where the choice is the
+    default; relabelled arm "tuned*" for the tables."""
+    chosen, out = choose(records), []
+    for v, c in chosen.items():
+        src = "control" if c["default"] else "tuned"
+        out += [{**r, "arm": "tuned"} for r in records
+                if r["arm"] == src and r["variant"] == v and r["seed"] in SEEDS]
+    return out
+
+
+def reproduction_line(records: list[dict], v3: Path = grid.V3_RESULTS) -> str:
+    """The control against v3's committed records of the same cell and seeds (another CPU kind
+    for some): how close a re-run on this machine came."""
+    old = {(r["variant"], r["seed"]): r["final"] for r in json.loads(v3.read_text())["runs"]
+           if r["setting"] == CELL}
+    parts = []
+    for v in CONTROL_VARIANTS:
+        pairs = [(r["final"], old[(v, r["seed"])]) for r in records
+                 if r["arm"] == "control" and r["variant"] == v and (v, r["seed"]) in old]
+        if pairs:
+            same = sum(a == b for a, b in pairs)
+            d = statistics.mean(a - b for a, b in pairs)
+            parts.append(f"{SHORT[v]} {100 * d:+.1f} points ({same}/{len(pairs)} seeds identical)")
+    return "Control re-run here minus v3's record, mean final success: " + "; ".join(parts) + "."
+
+
+def provenance_line(records: list[dict]) -> str:
+    dirty = sum(any(c["diff"] for c in r.get("code", [])) for r in records)
+    cpus = sorted({c["cpu"] for r in records for c in r.get("code", [])})
+    missing = sum(not r.get("code") for r in records)
+    return (f"{len(records)} records; code: commit{'s' if dirty else ''} "
+            f"{', '.join(sorted({c['commit'] for r in records for c in r.get('code', [])}))}"
+            f", {dirty} with a saved diff (docs/testbed/why/diffs/), {missing} without provenance; "
+            f"CPU: {'; '.join(cpus)}.")
+
+
+def report(results: Path = RESULTS, out: Path | None = None) -> str:
+    """table.md beside the results, the page section and the curves figure, from the raw file."""
+    records = load(results)
+    out = out or results.parent
+    main = [r for r in records if r["seed"] in SEEDS and r["arm"] in ARMS]
+    refs = [("control", "mpo"), ("control", "grpo")]
+    finals = paired(main, refs, "final")
+    aucs = paired(main, refs, "auc")
+    tuned = tuned_rows(records)
+    tuned_comps = paired(tuned, [("tuned", "mpo"), ("tuned", "grpo")], "final")
+    text = ["Generated by `python experiments/testbed_why.py report` from "
+            f"[{results.relative_to(ROOT / 'docs')}]({results.relative_to(ROOT / 'docs')}); "
+            + provenance_line(records) + "\n",
+            "**Arms** (10 study seeds each; final = greedy validation success after the 60th "
+            "policy update; AUC = mean of the 12 evaluations, by policy update; critic columns: "
+            "the final critic on fresh validation episodes):\n", arm_table(main),
+            "\n**Paired by seed, final success** (Holm over this table's comparisons):\n",
+            paired_table(finals, "final"),
+            "\n**Paired by seed, AUC** (Holm over this table's comparisons):\n",
+            paired_table(aucs, "AUC"),
+            "\n**Tuning** (mean AUC over seeds 100–102, points; c: the critic's rate):\n",
+            tuning_table(records)]
+    if tuned:
+        text += ["\n**Tuned against tuned** (each variant at its own choice, seeds 0–9; Holm "
+                 "over this table's comparisons):\n", arm_table(tuned),
+                 "\n", paired_table(tuned_comps, "final")]
+    if any(r["arm"] == "control" for r in records):
+        text += ["\n" + reproduction_line(records) + "\n"]
+    body = "\n".join(text)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "table.md").write_text("# Why MPO lost at d = 1, L = 16: tables\n\n" + body)
+    curves(main, out / "curves.png")
+    grid.update_page(grid.TESTBED_PAGE, PAGE_SECTION, body)
+    print(body)
+    return body
+
+
+def curves(records: list[dict], path: Path) -> Path:
+    """Mean validation success and the critic's training EV by policy update, per arm of A and
+    C and the GRPO rows."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for (arm, v), rs in rows_of(records).items():
+        steps = [s for s, _ in rs[0]["curve"]]
+        mean = [statistics.mean(r["curve"][i][1] for r in rs) for i in range(len(steps))]
+        style = "-" if arm == "control" else "--" if arm.startswith("warm") else ":"
+        axes[0].plot(steps, mean, style, label=row_label(arm, v))
+        evs = [r["ev_curve"][r.get("warmup", 0):] for r in rs if r.get("ev_curve")]
+        if evs:
+            n = min(len(e) for e in evs)
+            ev = [statistics.mean(e[i] for e in evs if e[i] is not None) for i in range(n)]
+            axes[1].plot(range(1, n + 1), ev, style, label=row_label(arm, v))
+    axes[0].set(xlabel="policy update", ylabel="validation success (greedy)",
+                title="success by policy update")
+    axes[1].set(xlabel="policy update", ylabel="critic EV vs its target",
+                title="critic explained variance (training batches)", ylim=(-0.2, 1))
+    axes[0].legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# --- command line -----------------------------------------------------------------------------
+
+def main(argv=None) -> str | None:
+    argv = sys.argv[1:] if argv is None else argv
+    own, extra = grid.split_argv(argv)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("cmd", choices=("run", "collect", "report"))
+    ap.add_argument("--phase", choices=("mechanisms", "tuning", "tuned", "all"), default="all")
+    ap.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS),
+                    help="study seeds of the mechanism phase (default 0-9)")
+    ap.add_argument("--workers", type=int, default=2, choices=(1, 2))
+    ap.add_argument("--out", type=Path, default=Path("runs/testbed-why"))
+    ap.add_argument("--results", type=Path, default=RESULTS)
+    args = ap.parse_args(own)
+    out = args.out.resolve()
+    cache = (out / "cache").resolve()
+    if args.cmd == "report":
+        return report(args.results)
+    plan = len(mechanism_jobs(out, cache, extra)) + len(tuning_jobs(out, cache, extra))
+    if args.cmd == "run":
+        t0 = time.perf_counter()
+        if args.phase in ("mechanisms", "all"):
+            grid.run_jobs(mechanism_jobs(out, cache, extra, args.seeds), args.workers)
+            save(out, args.results, argv, plan)
+        if args.phase in ("tuning", "all"):
+            grid.run_jobs(tuning_jobs(out, cache, extra), args.workers)
+            save(out, args.results, argv, plan)
+        if args.phase in ("tuned", "all"):
+            chosen = choose(save(out, args.results, argv, plan))
+            if set(chosen) != set(TUNE_VARIANTS):
+                raise SystemExit("[why] the tuning phase is not complete: run --phase tuning")
+            grid.run_jobs(tuned_jobs(out, cache, extra, chosen), args.workers)
+        print(f"[why] done in {(time.perf_counter() - t0) / 60:.1f} min", flush=True)
+    save(out, args.results, argv, plan)
+    return report(args.results)
+
+
+if __name__ == "__main__":
+    main()
