@@ -1138,7 +1138,32 @@ def page_tables(records: list[dict], ref: str = "mpo") -> str:
             text = f"{mean} ± {100 * c['se']:.1f} ({fmt_p(c['p'])} → {fmt_p(c['p_holm'])})"
             row.append(f"**{text}**" if c["p_holm"] < ALPHA else text)
         lines.append(f"| {row_name(st)} | " + " | ".join(row) + " |")
-    return "\n".join(lines).replace("+0.0 ±", "0.0 ±") + "\n"
+    return ("\n".join(lines).replace("+0.0 ±", "0.0 ±") + "\n\n"
+            + provenance_summary(records) + "\n")
+
+
+def code_state_of(r: dict) -> str:
+    """Whether a record's code can be rebuilt: "commit" (every sitting at a clean commit),
+    "diff saved" (a dirty sitting whose diff was saved: commit + git apply), "lost" (a sitting
+    with uncommitted changes and no saved diff) or "not recorded" (older records: no commit)."""
+    if r.get("code"):
+        return "diff saved" if any(c["diff"] for c in r["code"]) else "commit"
+    if not r.get("commits"):
+        return "not recorded"
+    return "lost" if any("uncommitted" in c for c in r["commits"]) else "commit"
+
+
+def provenance_summary(records: list[dict]) -> str:
+    """One line: how many records' code can be rebuilt (a clean commit, or a commit and a saved
+    diff), and how many cannot (uncommitted changes not saved; no commit recorded)."""
+    counts = {k: 0 for k in ("commit", "diff saved", "lost", "not recorded")}
+    for r in records:
+        counts[code_state_of(r)] += 1
+    return (f"Code of the {len(records)} records: {counts['commit']} at a recorded clean commit, "
+            f"{counts['diff saved']} at a commit with a saved diff (rebuildable); "
+            f"{counts['lost']} ran with uncommitted changes whose diff was not saved (not "
+            f"rebuildable) and {counts['not recorded']} recorded no commit (older records: the "
+            f"page names the study's commits; whether the tree was clean is unknown).")
 
 
 # --- the map (issue 40): MPO − X for every baseline, by how soon observations show progress -----

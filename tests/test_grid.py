@@ -606,6 +606,21 @@ def test_page_tables_format_on_hand_records(tmp_path):
     assert not grid.update_page(page, "y", md)
 
 
+def test_provenance_summary_counts_each_records_code_state():
+    recs = [{"commits": ["aaa1111"]},                                   # clean commit
+            {"commits": ["aaa1111+uncommitted changes"]},               # dirty, diff lost
+            {},                                                        # older: no commit
+            {"commits": ["b+uncommitted changes"],
+             "code": [{"commit": "b+uncommitted changes", "diff": "code-1.diff", "cpu": "x"}]},
+            {"commits": ["c"], "code": [{"commit": "c", "diff": None, "cpu": "x"}]}]
+    assert [grid.code_state_of(r) for r in recs] == ["commit", "lost", "not recorded",
+                                                     "diff saved", "commit"]
+    line = grid.provenance_summary(recs)
+    assert line.startswith("Code of the 5 records: 2 at a recorded clean commit, 1 at a commit "
+                           "with a saved diff (rebuildable); 1 ran with uncommitted changes")
+    assert "and 1 recorded no commit" in line
+
+
 def map_hand_records() -> list[dict]:
     """v2-L8 with A and three baselines chosen to give one win, one loss and one tie, plus
     records the map must leave out (a regime and a variant it does not show)."""
