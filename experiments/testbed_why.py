@@ -351,6 +351,29 @@ def provenance_line(records: list[dict]) -> str:
             f"CPU: {'; '.join(cpus)}.")
 
 
+SUMMARY_PAGE = ROOT / "docs" / "results.md"
+SUMMARY_SECTION = "why-summary"
+
+
+def summary_table(records: list[dict], finals: list[dict]) -> str:
+    """docs/results.md's compact table: each row's final success and AUC (mean ± SE) and its
+    differences from control A and control GRPO (points; Holm p over the page table's family)."""
+    by = {(c["row"], c["ref"]): c for c in finals}
+    refs = [("control", "mpo"), ("control", "grpo")]
+    lines = ["| arm | variant | final | AUC | − A (Holm p) | − GRPO (Holm p) |",
+             "|---|---|---|---|---|---|"]
+    for (arm, v), rs in rows_of(records).items():
+        cells = []
+        for ref in refs:
+            c = by.get(((arm, v), ref))
+            cells.append("–" if c is None else
+                         ("**{}**" if c["p_holm"] < grid.ALPHA else "{}").format(
+                             f"{100 * c['mean']:+.1f} ({grid.fmt_p(c['p_holm'])})"))
+        lines.append(f"| {arm} | {SHORT.get(v, v)} | {grid.mean_se([r['final'] for r in rs])} | "
+                     f"{grid.mean_se([r['auc'] for r in rs])} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def report(results: Path = RESULTS, out: Path | None = None) -> str:
     """table.md beside the results, the page section and the curves figure, from the raw file."""
     records = load(results)
@@ -384,6 +407,7 @@ def report(results: Path = RESULTS, out: Path | None = None) -> str:
     (out / "table.md").write_text("# Why MPO lost at d = 1, L = 16: tables\n\n" + body)
     curves(main, out / "curves.png")
     grid.update_page(grid.TESTBED_PAGE, PAGE_SECTION, body)
+    grid.update_page(SUMMARY_PAGE, SUMMARY_SECTION, summary_table(main, finals))
     print(body)
     return body
 

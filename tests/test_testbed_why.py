@@ -125,6 +125,9 @@ def test_report_writes_the_tables_and_the_page_section(tmp_path, monkeypatch):
     page = tmp_path / "testbed.md"
     page.write_text("a\n<!-- why-tables:start -->\n<!-- why-tables:end -->\nb\n")
     monkeypatch.setattr(grid, "TESTBED_PAGE", page)
+    summary = tmp_path / "results.md"
+    summary.write_text("<!-- why-summary:start -->\n<!-- why-summary:end -->\n")
+    monkeypatch.setattr(why, "SUMMARY_PAGE", summary)
     monkeypatch.setattr(why, "ROOT", tmp_path)
     monkeypatch.setattr(why, "SEEDS", (0, 1, 2))
     monkeypatch.setattr(why, "reproduction_line", lambda records: "")
@@ -136,6 +139,13 @@ def test_report_writes_the_tables_and_the_page_section(tmp_path, monkeypatch):
     assert page.read_text() == ("a\n<!-- why-tables:start -->\n" + body
                                 + "<!-- why-tables:end -->\nb\n")
     assert (results.parent / "curves.png").exists() and (results.parent / "table.md").exists()
+    comps = {(c["row"], c["ref"]): c for c in why.paired(
+        study_records(), [("control", "mpo"), ("control", "grpo")], "final")}
+    vs_a = comps[(("lam_intra1", "mpo"), ("control", "mpo"))]["p_holm"]
+    vs_grpo = comps[(("lam_intra1", "mpo"), ("control", "grpo"))]["p_holm"]
+    row = next(line for line in summary.read_text().splitlines() if "lam_intra1" in line)
+    assert row == (f"| lam_intra1 | A: MPO | 70.0 ± 11.5 | 35.0 ± 5.8 | +20.0 "
+                   f"({grid.fmt_p(vs_a)}) | -13.3 ({grid.fmt_p(vs_grpo)}) |")
     assert "CPU: AMD EPYC (no avx512)" in body and "0 with a saved diff" in body
 
 
