@@ -1,30 +1,197 @@
 """The tutorial and the API docs still agree with mpo.py.
 
 The tutorial asserts every number it prints, so exit code 0 means the worked example, the
-derivations and the integration recipe still hold; docs/api.md's examples run as doctests."""
+derivations and the integration recipe still hold. The tests below run it once and check the
+numbers a reader checks by hand (whitening, the critic's targets, the shared-ratio gradient,
+clipping, the dual clip, the critic loss, the details that bite, the exercises), so that a
+deleted or weakened assert in the script cannot pass unnoticed; docs/api.md's examples run as
+doctests."""
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tutorial" / "mpo_tutorial.py"
-FIGURES = ("fig1_worked_example.png", "fig2_grpo_ppo_mpo.png", "fig5_turn_vs_token_surrogate.png")
+FIGURES = ("fig1_worked_example.png", "fig2_grpo_ppo_mpo.png", "fig2b_long_turns_log.png",
+           "fig4_shared_vs_stopgrad_gradients.png", "fig5_turn_vs_token_surrogate.png")
+FLOAT = r"([-+]?(?:\d+\.?\d*(?:e[-+]?\d+)?|inf|nan))"
 
 
-def test_tutorial_runs_and_writes_its_figures(tmp_path):
+@pytest.fixture(scope="module")
+def tutorial(tmp_path_factory):
+    """Run the script once: (stdout, the folder its figures went to)."""
+    out = tmp_path_factory.mktemp("tutorial_figures")
     env = dict(os.environ, HF_HUB_OFFLINE="1", MPLBACKEND="Agg")
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, f"tutorial failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    assert "tutorial finished" in proc.stdout
+    return proc.stdout, out
+
+
+def numbers(stdout: str, pattern: str) -> list[float]:
+    """The floats captured by `pattern` (FLOAT groups written as {f}) on the first matching line."""
+    m = re.search(pattern.format(f=FLOAT), stdout)
+    assert m, f"no line matches {pattern!r}"
+    return [float(x) for x in m.groups()]
+
+
+def test_tutorial_runs_and_writes_its_figures(tutorial):
+    stdout, out = tutorial
+    assert "tutorial finished" in stdout
     for name in FIGURES:
-        path = tmp_path / name
+        path = out / name
         assert path.is_file(), f"missing figure {name}"
-        assert path.stat().st_size > 1000, f"figure {name} is nearly empty ({path.stat().st_size} bytes)"
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", f"{name} is not a PNG"
+        assert path.stat().st_size > 10_000, f"figure {name} is nearly empty ({path.stat().st_size} bytes)"
+    assert sorted(p.name for p in out.iterdir()) == sorted(FIGURES)
+
+
+def test_tutorial_runs_in_seconds_and_says_so_once(tutorial):
+    stdout, _ = tutorial
+    (elapsed,) = numbers(stdout, r"tutorial finished in {f} s \(imports included\)")
+    assert 0 < elapsed < 90, f"the tutorial took {elapsed} s"
+    assert stdout.count("tutorial finished") == 1
+
+
+def test_output_has_no_negative_zero_and_no_long_floats(tutorial):
+    """The output nits of issue 54: no "-0.0000", no "e-16"-style noise, no 16-digit floats."""
+    stdout, _ = tutorial
+    assert not re.search(r"-0\.0+\b(?!\d)", stdout), "a negative zero is printed"
+    assert not re.search(r"\d\.\d{9,}", stdout), "a float is printed with 9+ decimals"
+    assert not re.search(r"policy_loss [-+]?\d\.\de-1\d", stdout)
+    assert "property 8" not in SCRIPT.read_text()
+
+
+def test_whitening_batch_of_one_flips_the_success_and_a_group_fixes_it(tutorial):
+    stdout, _ = tutorial
+    assert numbers(stdout, r"batch of one: mean {f}, unbiased std {f} over 40 tokens") == [0.3854, 0.1131]
+    first, last, neg = numbers(stdout, r"turn 2: whitened first {f}  last {f}; {f} of 22 tokens negative")
+    assert (first, last, neg) == (-1.4833, 0.2663, 19)
+    assert numbers(stdout, r"turn 0: whitened first {f}  last {f}; 0 of 8") == [1.2203, 1.7538]
+    assert numbers(stdout, r"group of 4: mean {f}, unbiased std {f} over 160") == [-0.2731, 0.4501]
+    success = numbers(stdout, r"success: whitened turn 0 {f}\.\.{f}, turn 1 {f}\.\.{f}, turn 2 {f}\.\.{f}")
+    assert min(success) == 1.0903                                   # every token of the success > 0
+    failure = numbers(stdout, r"failure: whitened turn 0 {f}\.\.{f}, turn 1 {f}\.\.{f}, turn 2 {f}\.\.{f}")
+    assert failure == [0.3476, 0.4817, -0.2696, -0.1053, -1.5472, -0.5217]
+
+
+def test_critic_targets_mae_lambda_return_and_true_return(tutorial):
+    stdout, _ = tutorial
+    assert numbers(stdout, r"turn 2, last \(pos 53\)\s+{f}\s+{f}\s+{f}") == [1.1155, 1.0, 1.0]
+    assert numbers(stdout, r"turn 0, first \(pos 4\)\s+{f}\s+{f}\s+{f}") == [0.8234, 0.6855, 1.0]
+    assert numbers(stdout, r"turn 1, last \(pos 26\)\s+{f}\s+{f}\s+{f}") == [0.9795, 0.94, 1.0]
+    text = SCRIPT.read_text()
+    section6 = text[text.index("## 6. MPO in your own trainer"):text.index("## 7. Details that bite")]
+    assert 'critic_target="lambda_return"' in section6               # the trainer's default target
+
+
+def test_shared_ratio_gradient_is_turn_length_times_the_stop_gradient_mean(tutorial):
+    stdout, _ = tutorial
+    assert numbers(stdout, r"rho_t per turn: {f} / {f} / {f}") == [0.9765, 1.0042, 0.9032]
+    shared, n, mean, lo, hi = numbers(
+        stdout, r"turn 0: shared ratio: {f} on each token = {f} x {f}, the mean of turn_ratio's {f} \.\. {f}")
+    assert (shared, n, mean, lo, hi) == (4.3122, 8, 0.5390, 0.5111, 0.5700)
+    assert abs(shared - n * mean) < 5e-4
+
+
+def test_clipping_keeps_gradient_by_the_sign_of_each_advantage(tutorial):
+    stdout, _ = tutorial
+    assert numbers(stdout, r"rho_t per turn: {f} / {f} / {f}\n(?=turn 0: ρ_t)") == [0.7261, 1.1052, 1.391]
+    assert numbers(stdout, r"turn 0: ρ_t 0\.7261; Â > 0 on 8, Â < 0 on 0 tokens; gradient kept on {f} of 8") == [8]
+    assert numbers(stdout, r"turn 2: ρ_t 1\.3910; Â > 0 on 3, Â < 0 on 19 tokens; gradient kept on {f} of 22") == [19]
+    loss, by_hand, clip_frac, turn_clip = numbers(
+        stdout, r"loss {f} = \(1/40\) Σ terms by hand {f}; clip_frac {f} .*turn_clip_frac {f}")
+    assert (loss, by_hand, clip_frac, turn_clip) == (0.2324, 0.2324, 0.075, 0.6667)
+
+
+def test_dual_clip_bounds_a_negative_advantage_term(tutorial):
+    stdout, _ = tutorial
+    assert numbers(stdout, r"rho_2 = {f}; first token of turn 2: Â {f}") == [9.03, -1.4833]
+    assert numbers(stdout, r"dual_clip None: its term {f}, its gradient {f}; loss {f}, clip_frac {f}") == [
+        13.39, 0.3347, 3.4813, 0.075]
+    assert numbers(stdout, r"dual_clip  3\.0: its term {f}, its gradient {f}; loss {f}, clip_frac {f}") == [
+        4.45, 0.0, 0.9171, 0.55]
+
+
+def test_critic_loss_by_hand(tutorial):
+    stdout, _ = tutorial
+    assert numbers(stdout, r"lambda_return {f} = ½ mean\(\(R − V\)²\) {f}; mae {f}") == [0.0481, 0.0481, 0.0805]
+    assert numbers(stdout, r"R − V over the 40 tokens: {f} \.\. {f}; gradient on the last token's value {f}") == [
+        0.1022, 0.552, -0.0075]
+    assert numbers(stdout, r"critic jumped to its targets: loss {f}, value-clipped \(c = 0\.2\) {f}") == [0.0, 0.0109]
+
+
+def test_one_token_turns_reduce_to_token_gae(tutorial):
+    stdout, _ = tutorial
+    (diff,) = numbers(stdout, r"one token per turn: max \|mpo_advantages − token_gae\| = {f}")
+    assert diff < 1e-12
+
+
+def test_long_turns_and_the_surrogate_error_numbers(tutorial):
+    stdout, _ = tutorial
+    tok, mpo_first, *means = numbers(
+        stdout, r"flat critic, first token of turn 0: token GAE {f}, MPO {f}; MPO turn means {f} / {f} / {f}")
+    assert (tok, mpo_first, means) == (7.4e-06, 0.532, [0.552, 0.44, 0.3])
+    assert numbers(stdout, r"rising critic, first token of turn 0: token GAE {f}, MPO {f}") == [0.02, 0.5539]
+    assert numbers(stdout, r"absolute error {f} / {f} / {f} / {f}; relative") == [0.0014, 0.0068, 0.022, 0.036]
+    assert numbers(stdout, r"relative {f}% / {f}% / {f}% / {f}%") == [2.0, 5.9, 13.5, 20.6]
+    assert numbers(stdout, r"absolute error x{f} from L = 2 to 4, x{f} from L = 8 to 12") == [5.0, 1.6]
+
+
+def test_trainer_section_first_pass_and_accumulation(tutorial):
+    stdout, _ = tutorial
+    assert numbers(stdout, r"policy_loss {f} \(= −mean Â\), value_loss {f}") == [0.0, 0.2288]
+    (bad,) = numbers(stdout, r"no num_tokens\) − grad\(full\)\| = {f}")
+    assert bad == 0.36
+    (ok,) = numbers(stdout, r"grad\(2 micro-batches, num_tokens\) − grad\(full\)\| = {f}")
+    assert ok < 1e-12
+    assert numbers(stdout, r"epoch 0: policy_loss {f}  value_loss {f}") == [0.0, 0.2288]
+    assert numbers(stdout, r"epoch 3: policy_loss {f}  value_loss {f}  clip_frac {f}") == [-0.1431, 0.1702, 0.68]
+
+
+def test_details_that_bite_numbers(tutorial):
+    stdout, _ = tutorial
+    assert numbers(stdout, r"detail 1\. δ on turn 0's last token: mpo {f}; next position read {f}") == [0.2, -0.3]
+    assert numbers(stdout, r"detail 2\. δ on the last token: mpo {f} .*; padding's value read {f}") == [0.3, 1.0]
+    assert numbers(stdout, r"detail 3\. .* loss {f} with its own count, {f} with num_tokens = 34: x{f}") == [
+        0.5946, 0.1574, 3.78]
+    assert numbers(stdout, r"±20 clamp yes, dual_clip None: loss {f}, gradient per token {f}") == [4.85e8, 2.43e6]
+    assert numbers(stdout, r"±20 clamp yes, dual_clip  3\.0: loss {f}, gradient per token {f}") == [3.0, 0.0]
+    loss, grad = numbers(stdout, r"±20 clamp  no, dual_clip None: loss {f}, gradient per token {f}")
+    assert loss == float("inf")
+    loss, grad = numbers(stdout, r"±20 clamp  no, dual_clip  3\.0: loss {f}, gradient per token {f}")
+    assert loss == 3.0 and grad != grad                                          # NaN
+
+
+def test_exercise_answers(tutorial):
+    stdout, _ = tutorial
+    assert numbers(stdout, r"answer 1\. A\^turn_0 = .* = {f}") == [0.428]
+    assert numbers(stdout, r"answer 2\. .* = {f}, last {f}") == [0.1354, 0.531]
+    assert numbers(stdout, r"answer 3\. δ\^turn = {f} / {f} / {f}, A\^turn = {f} / {f} / {f}") == [
+        0.2, 0.4, 0.1, 0.584, 0.48, 0.1]
+    assert numbers(stdout, r"answer 4\. ρ_t = e\^0\.3 = {f} > 1\.2.* = {f}$".replace("$", "\n")) == [1.3499, 0.0749]
+    assert numbers(stdout, r"answer 5\. token GAE 0\.95\^599 = {f}; turn GAE 0\.8\^2 = {f}") == [4.5e-14, 0.64]
+    text = SCRIPT.read_text()
+    exercises = text[text.index("## 8. Exercises"):]
+    assert len(re.findall(r"^# [1-9]\. ", exercises, re.M)) >= 3                 # 3 to 5 questions
+
+
+def test_pseudocode_map_names_real_functions():
+    """Every mpo.py function in the pseudocode <-> code map at the top exists in mpo.py."""
+    sys.path.insert(0, str(ROOT))
+    import mpo
+    text = SCRIPT.read_text()
+    block = text[text.index("## Pseudocode ↔ code"):text.index("# %%\nfrom __future__")]
+    functions = re.findall(r"\b([a-z]+(?:_[a-z]+)+)\s+[\d, ]+$", block, re.M)   # name, then sections
+    assert len(set(functions)) >= 11, functions
+    assert all(callable(getattr(mpo, n, None)) for n in functions), functions
 
 
 def test_api_doc_examples_match_mpo(monkeypatch):
@@ -48,7 +215,6 @@ def test_equations_page_line_ranges_point_at_the_functions():
 def test_api_reference_signatures_match_mpo():
     """Every `## \\`name\\`` section of docs/api.md opens with the function's exact signature."""
     import inspect
-    import re
     sys.path.insert(0, str(ROOT))
     import mpo
     text = (ROOT / "docs" / "api.md").read_text()
