@@ -53,10 +53,11 @@ def test_tutorial_runs_and_writes_its_figures(tutorial):
     assert sorted(p.name for p in out.iterdir()) == sorted(FIGURES)
 
 
-def test_tutorial_runs_in_seconds_and_says_so_once(tutorial):
+def test_tutorial_states_its_run_time_once(tutorial):
+    """One statement of the run time (no speed bound here: timings belong in benchmarks)."""
     stdout, _ = tutorial
     (elapsed,) = numbers(stdout, r"tutorial finished in {f} s \(imports included\)")
-    assert 0 < elapsed < 90, f"the tutorial took {elapsed} s"
+    assert elapsed > 0
     assert stdout.count("tutorial finished") == 1
 
 
