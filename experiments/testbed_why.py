@@ -413,27 +413,45 @@ def report(results: Path = RESULTS, out: Path | None = None) -> str:
 
 
 def curves(records: list[dict], path: Path) -> Path:
-    """Mean validation success and the critic's training EV by policy update, per arm of A and
-    C and the GRPO rows."""
+    """Three panels by policy update: validation success of the critic methods' arms (colour:
+    arm; solid A, dashed C) with control GRPO in black; of GRPO's arms with control A in black;
+    and the critic's EV against its own target on the training batches (A and C arms)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for (arm, v), rs in rows_of(records).items():
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
+    colours = {arm: f"C{i}" for i, arm in enumerate(ARMS)}
+    cells = rows_of(records)
+
+    def mean_curve(rs):
         steps = [s for s, _ in rs[0]["curve"]]
-        mean = [statistics.mean(r["curve"][i][1] for r in rs) for i in range(len(steps))]
-        style = "-" if arm == "control" else "--" if arm.startswith("warm") else ":"
-        axes[0].plot(steps, mean, style, label=row_label(arm, v))
-        evs = [r["ev_curve"][r.get("warmup", 0):] for r in rs if r.get("ev_curve")]
-        if evs:
-            n = min(len(e) for e in evs)
-            ev = [statistics.mean(e[i] for e in evs if e[i] is not None) for i in range(n)]
-            axes[1].plot(range(1, n + 1), ev, style, label=row_label(arm, v))
-    axes[0].set(xlabel="policy update", ylabel="validation success (greedy)",
-                title="success by policy update")
-    axes[1].set(xlabel="policy update", ylabel="critic EV vs its target",
-                title="critic explained variance (training batches)", ylim=(-0.2, 1))
-    axes[0].legend(fontsize=6, ncol=2)
+        return steps, [statistics.mean(r["curve"][i][1] for r in rs) for i in range(len(steps))]
+
+    for (arm, v), rs in cells.items():
+        style = {"mpo": "-", "mpo_beta0": "--"}.get(v, "-")
+        if v in ("mpo", "mpo_beta0"):
+            axes[0].plot(*mean_curve(rs), style, color=colours[arm], label=row_label(arm, v))
+            evs = [r["ev_curve"][r.get("warmup", 0):] for r in rs if r.get("ev_curve")]
+            if evs:
+                n = min(len(e) for e in evs)
+                ev = [statistics.mean(x for x in (e[i] for e in evs) if x is not None)
+                      for i in range(n)]
+                axes[2].plot(range(1, n + 1), ev, style, color=colours[arm],
+                             label=row_label(arm, v))
+        if v == "grpo":
+            axes[1].plot(*mean_curve(rs), color="black" if arm == "control" else colours[arm],
+                         label=row_label(arm, v))
+    for ax, ref in ((axes[0], ("control", "grpo")), (axes[1], ("control", "mpo"))):
+        if ref in cells:
+            ax.plot(*mean_curve(cells[ref]), ":", color="black", label=row_label(*ref))
+    axes[0].set(xlabel="policy update", ylabel="validation success (greedy, mean of seeds)",
+                title="A and C arms (solid A, dashed C)", ylim=(0, 1))
+    axes[1].set(xlabel="policy update", title="GRPO arms", ylim=(0, 1))
+    axes[2].set(xlabel="policy update", ylabel="EV of V against its target (training batch)",
+                title="the critic (after any warm-up)", ylim=(-0.2, 1))
+    for ax in axes:
+        ax.legend(fontsize=6.5)
+        ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
