@@ -136,6 +136,9 @@ def test_report_writes_the_tables_and_the_page_section(tmp_path, monkeypatch):
     assert "| control | GRPO | 3 | 83.3 ± 3.3 |" in body
     assert "0.20 / 0.90 / 0.95" in body                  # the critic's EV by turn
     assert "+20.0 ± 5.8" in body                          # lam_intra1 − control A
+    assert "| the gap: GRPO − A | 3 | +33.3 ± 3.3 | +16.7 ± 1.7 |" in body   # 0.3, 0.4, 0.3
+    assert "| λ_intra 0.95 → 1: A(λ_intra = 1) − A | 3 | +20.0 ± 5.8 | +10.0 ± 2.9 |" in body
+    assert "C(warm-up)" not in body                       # no such runs: no line
     assert page.read_text() == ("a\n<!-- why-tables:start -->\n" + body
                                 + "<!-- why-tables:end -->\nb\n")
     assert (results.parent / "curves.png").exists() and (results.parent / "table.md").exists()
