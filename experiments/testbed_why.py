@@ -1,10 +1,11 @@
 """Why MPO lost where its premise held: mechanism arms and equal tuning in the testbed cell
 d = 1, L = 16 (v3-d1-L16; docs/testbed.md, "Why MPO lost at d = 1, L = 16"; issue 51).
 
-    python experiments/testbed_why.py run                  # every phase, resumable (~75 min, 2 cores)
+    python experiments/testbed_why.py run                  # every phase, resumable (~4 h, 2 slow cores)
     python experiments/testbed_why.py run --phase mechanisms   # control + mechanism arms only
     python experiments/testbed_why.py run --phase tuning       # the learning-rate grid, tuning seeds
     python experiments/testbed_why.py run --phase tuned        # each variant at its own choice
+  (run and all phases: A, C and GRPO are tuned and run at their choice before PPO and SAO)
     python experiments/testbed_why.py collect              # records of the runs finished so far
     python experiments/testbed_why.py report               # tables, figure, page section again
 
@@ -118,9 +119,15 @@ def mechanism_jobs(root: Path, cache: Path, extra: list[str], seeds=SEEDS) -> li
     return jobs
 
 
-def tuning_jobs(root: Path, cache: Path, extra: list[str]) -> list[dict]:
+# The order the tuning runs: the comparison the study exists for (A, C, GRPO) is tuned and run
+# at its choice first, then PPO and SAO, so a session that ends early leaves complete groups.
+TUNE_GROUPS = (("mpo", "mpo_beta0", "grpo"), ("ppo", "sao"))
+
+
+def tuning_jobs(root: Path, cache: Path, extra: list[str],
+                variants=TUNE_VARIANTS) -> list[dict]:
     return [job(root, cache, lr_arm(pair), v, s, lr_flags(pair), extra)
-            for s in TUNE_SEEDS for v in TUNE_VARIANTS for pair in lr_pairs(v)]
+            for s in TUNE_SEEDS for v in variants for pair in lr_pairs(v)]
 
 
 def choose(records: list[dict]) -> dict[str, dict]:
@@ -520,14 +527,17 @@ def main(argv=None) -> str | None:
         if args.phase in ("mechanisms", "all"):
             grid.run_jobs(mechanism_jobs(out, cache, extra, args.seeds), args.workers)
             save(out, args.results, argv, plan)
-        if args.phase in ("tuning", "all"):
-            grid.run_jobs(tuning_jobs(out, cache, extra), args.workers)
-            save(out, args.results, argv, plan)
-        if args.phase in ("tuned", "all"):
-            chosen = choose(save(out, args.results, argv, plan))
-            if set(chosen) != set(TUNE_VARIANTS):
-                raise SystemExit("[why] the tuning phase is not complete: run --phase tuning")
-            grid.run_jobs(tuned_jobs(out, cache, extra, chosen), args.workers)
+        for group in TUNE_GROUPS:         # tune a group, then run it at its choice
+            if args.phase in ("tuning", "all"):
+                grid.run_jobs(tuning_jobs(out, cache, extra, group), args.workers)
+                save(out, args.results, argv, plan)
+            if args.phase in ("tuned", "all"):
+                chosen = choose(save(out, args.results, argv, plan))
+                if missing := [v for v in group if v not in chosen]:
+                    raise SystemExit(f"[why] {', '.join(missing)} not tuned yet: run --phase "
+                                     "tuning first")
+                grid.run_jobs(tuned_jobs(out, cache, extra,
+                                         {v: chosen[v] for v in group}), args.workers)
         print(f"[why] done in {(time.perf_counter() - t0) / 60:.1f} min", flush=True)
     save(out, args.results, argv, plan)
     return report(args.results)
