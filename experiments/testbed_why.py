@@ -216,6 +216,12 @@ def load(results: Path = RESULTS) -> list[dict]:
 
 # --- tables -----------------------------------------------------------------------------------
 
+def signed(x: float) -> str:
+    """A difference in points with a typographic sign: 0.053 -> "+5.3", -0.053 -> "−5.3"."""
+    text = f"{100 * x:+.1f}".replace("-", "−")
+    return "0.0" if text in ("+0.0", "−0.0") else text
+
+
 def row_label(arm: str, variant: str) -> str:
     return f"{SHORT.get(variant, variant)}, {arm}"
 
@@ -288,7 +294,7 @@ def paired_table(comps: list[dict], metric: str) -> str:
             if c is None:
                 cells.append("–")
                 continue
-            text = (f"{100 * c['mean']:+.1f} ± {100 * c['se']:.1f} "
+            text = (f"{signed(c['mean'])} ± {100 * c['se']:.1f} "
                     f"({grid.fmt_p(c['p'])} → {grid.fmt_p(c['p_holm'])})")
             cells.append(f"**{text}**" if c["p_holm"] < grid.ALPHA else text)
         lines.append("| " + " | ".join([row[0], SHORT.get(row[1], row[1]), *cells]) + " |")
@@ -344,7 +350,7 @@ def reproduction_line(records: list[dict], v3: Path = grid.V3_RESULTS) -> str:
         if pairs:
             same = sum(a == b for a, b in pairs)
             d = statistics.mean(a - b for a, b in pairs)
-            parts.append(f"{SHORT[v]} {100 * d:+.1f} points ({same}/{len(pairs)} seeds identical)")
+            parts.append(f"{SHORT[v]} {signed(d)} points ({same}/{len(pairs)} seeds identical)")
     return "Control re-run here minus v3's record, mean final success: " + "; ".join(parts) + "."
 
 
@@ -388,7 +394,7 @@ def attribution_table(records: list[dict]) -> str:
             b = {r["seed"]: r[metric] for r in cells[ref]}
             seeds = sorted(set(a) & set(b))
             t = grid.paired_t([a[s] for s in seeds], [b[s] for s in seeds])
-            out.append(f"{100 * t['mean']:+.1f} ± {100 * t['se']:.1f}")
+            out.append(f"{signed(t['mean'])} ± {100 * t['se']:.1f}")
         lines.append(f"| {label} | {len(seeds)} | {out[0]} | {out[1]} |")
     return "\n".join(lines) + "\n"
 
@@ -410,7 +416,7 @@ def summary_table(records: list[dict], finals: list[dict]) -> str:
             c = by.get(((arm, v), ref))
             cells.append("–" if c is None else
                          ("**{}**" if c["p_holm"] < grid.ALPHA else "{}").format(
-                             f"{100 * c['mean']:+.1f} ({grid.fmt_p(c['p_holm'])})"))
+                             f"{signed(c['mean'])} ({grid.fmt_p(c['p_holm'])})"))
         lines.append(f"| {arm} | {SHORT.get(v, v)} | {grid.mean_se([r['final'] for r in rs])} | "
                      f"{grid.mean_se([r['auc'] for r in rs])} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

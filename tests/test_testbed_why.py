@@ -148,7 +148,7 @@ def test_report_writes_the_tables_and_the_page_section(tmp_path, monkeypatch):
     vs_grpo = comps[(("lam_intra1", "mpo"), ("control", "grpo"))]["p_holm"]
     row = next(line for line in summary.read_text().splitlines() if "lam_intra1" in line)
     assert row == (f"| lam_intra1 | A: MPO | 70.0 ± 11.5 | 35.0 ± 5.8 | +20.0 "
-                   f"({grid.fmt_p(vs_a)}) | -13.3 ({grid.fmt_p(vs_grpo)}) |")
+                   f"({grid.fmt_p(vs_a)}) | −13.3 ({grid.fmt_p(vs_grpo)}) |")
     assert "CPU: AMD EPYC (no avx512)" in body and "0 with a saved diff" in body
 
 
