@@ -98,3 +98,62 @@ def test_readme_counts_of_mpo_against_the_critic_based_token_methods():
     assert (len(wins), len(comps), ties) == (8, 10, [13, 30])
     assert ("(8 wins in the 10 such comparisons outside streaming; PPO at v2 L = 8, +13, and at "
             "v3 d = 1 L = 64, +30, are ties)") in page("README.md")
+
+
+def test_why_section_prose_numbers_come_from_its_raw_file():
+    """docs/testbed.md's "Predictions against the results" and attribution for the mechanism
+    arms (experiments/testbed_why.py): every paired number recomputed from the committed records."""
+    from experiments import testbed_why as why
+    records = runs(why.RESULTS)
+
+    def by_seed(arm, variant, metric="final", step=None):
+        out = {}
+        for r in records:
+            if r["arm"] == arm and r["variant"] == variant and r["seed"] in why.SEEDS:
+                out[r["seed"]] = dict(map(tuple, r["curve"]))[step] if step else r[metric]
+        return out
+
+    def diff(row, ref, metric="final", row_step=None, ref_step=None):
+        x, y = by_seed(*row, metric, row_step), by_seed(*ref, metric, ref_step)
+        seeds = sorted(set(x) & set(y))
+        t = grid.paired_t([x[s] for s in seeds], [y[s] for s in seeds])
+        return f"{why.signed(t['mean'])} ± {100 * t['se']:.1f}"
+
+    A, C, G = ("control", "mpo"), ("control", "mpo_beta0"), ("control", "grpo")
+    wA, wC, tc = ("warmup30", "mpo"), ("warmup30", "mpo_beta0"), ("turn_critic", "mpo_beta0")
+    expected = [
+        f"GRPO − A = {diff(G, A)} (Holm",
+        f"A with λ_intra = 1 gains {diff(('lam_intra1', 'mpo'), A)}",
+        f"A(λ_intra = 1) − C = {diff(('lam_intra1', 'mpo'), C)}",
+        f"(only its critic target changes): {diff(('lam_intra1', 'mpo_beta0'), C)}, within",
+        f"A gains {diff(wA, A)} (AUC {diff(wA, A, 'auc').split(' ±')[0]}), C {diff(wC, C)} "
+        f"(AUC {diff(wC, C, 'auc').split(' ±')[0]})",
+        f"level with GRPO: {diff(wC, G)} final, {diff(wC, G, 'auc')} AUC",
+        f"{diff(wC, G, row_step=30, ref_step=60)} behind GRPO's 60th",
+        f"over C it gains {diff(tc, C, 'auc')} AUC and {diff(tc, C)} final",
+        f"it is level: {diff(tc, G)} final, {diff(tc, G, 'auc')} AUC",
+        f"{diff(('group4x16', 'grpo'), G)} final, but {diff(('group4x16', 'grpo'), G, 'auc')} AUC",
+        f"GRPO drops {diff(('dr_grpo', 'grpo'), G)} (Holm",
+        f"(Dr. GRPO − A = {diff(('dr_grpo', 'grpo'), A)})",
+        f"(A {diff(('kl0', 'mpo'), A)}, C {diff(('kl0', 'mpo_beta0'), C)}, GRPO "
+        f"{diff(('kl0', 'grpo'), G)} against their controls)",
+        f"GRPO − A keeps its sign ({diff(('kl0', 'grpo'), ('kl0', 'mpo'))})",
+        f"C − A = {diff(C, A)}, and it stays",
+        f"(C(warm-up) − A(warm-up) = {diff(wC, wA)})",
+        f"(+5.6 ± 4.3 with the warm-up, −1.2 ± 5.9 with the turn critic",
+    ]
+    assert diff(wC, G) == "+5.6 ± 4.3" and diff(tc, G) == "−1.2 ± 5.9"
+    text = page("docs/testbed.md")
+    for sentence in expected:
+        assert sentence in text, sentence
+
+    def ev_blocks(arm, variant):
+        curves = [r["ev_curve"][r.get("warmup", 0):] for r in records
+                  if r["arm"] == arm and r["variant"] == variant and r["seed"] in why.SEEDS]
+        return ", ".join(f"{statistics.mean(x for c in curves for x in c[i:i + 10] if x is not None):.2f}"
+                         for i in range(0, 60, 10))
+    assert (f"by blocks of 10 policy updates is {ev_blocks(*wA)} against the control's "
+            f"{ev_blocks(*A)}") in text
+    ev_end = [r["ev_at_warmup_end"] for r in records if r["arm"] == "warmup30"]
+    assert f"its own target) is {grid.mean_se(ev_end, 1.0, 2)}, below" in text and \
+        len(ev_end) == 20
