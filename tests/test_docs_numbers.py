@@ -143,6 +143,14 @@ def test_why_section_prose_numbers_come_from_its_raw_file():
         f"(+5.6 ± 4.3 with the warm-up, −1.2 ± 5.9 with the turn critic",
     ]
     assert diff(wC, G) == "+5.6 ± 4.3" and diff(tc, G) == "−1.2 ± 5.9"
+    summary = page("docs/results.md")                 # the same numbers in the results page
+    for sentence in (f"(C − A {diff(C, A)}; λ_intra = 1 recovers "
+                     f"{diff(('lam_intra1', 'mpo'), A).split(' ±')[0]})",
+                     f"(30 critic-only updates: C {diff(wC, C).split(' ±')[0]}, A "
+                     f"{diff(wA, A).split(' ±')[0]})",
+                     f"(warm-up {diff(wC, G)}, turn critic {diff(tc, G)};",
+                     f"falls to A's level ({diff(('dr_grpo', 'grpo'), G)} against GRPO)"):
+        assert sentence in summary, sentence
     text = page("docs/testbed.md")
     for sentence in expected:
         assert sentence in text, sentence
@@ -157,3 +165,20 @@ def test_why_section_prose_numbers_come_from_its_raw_file():
     ev_end = [r["ev_at_warmup_end"] for r in records if r["arm"] == "warmup30"]
     assert f"its own target) is {grid.mean_se(ev_end, 1.0, 2)}, below" in text and \
         len(ev_end) == 20
+
+
+def test_readme_why_line_comes_from_the_mechanism_arms():
+    from experiments import testbed_why as why
+    records = [r for r in runs(why.RESULTS) if r["seed"] in why.SEEDS]
+    comps = {(c["row"], c["ref"]): c for c in why.paired(
+        records, [("control", "mpo"), ("control", "grpo")], "final")}
+    G = ("control", "grpo")
+
+    def text(row, ref):
+        c = comps[(row, ref)]
+        return f"{why.signed(c['mean'])} ± {100 * c['se']:.1f}"
+    readme = page("README.md")
+    assert f"β = 1 (C − A {text(('control', 'mpo_beta0'), ('control', 'mpo')).split(' ±')[0]})" \
+        in readme
+    assert (f"(turn critic {text(('turn_critic', 'mpo_beta0'), G)}, warm-up "
+            f"{text(('warmup30', 'mpo_beta0'), G)})") in readme
