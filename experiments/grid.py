@@ -163,6 +163,11 @@ def run_one(job: dict) -> dict:
     """
     import run_utils
     out = Path(job["out"])
+    if job.get("parent") and os.getppid() != job["parent"]:
+        # the grid that queued this run is gone (killed): a pool worker left behind would go on
+        # through the queue, holding run folders' locks that a restarted grid then meets
+        raise SystemExit(f"[grid] {out.name}: the grid that queued it (pid {job['parent']}) is "
+                         "gone; not started")
     try:
         with run_utils.RunLock(out):
             if is_finished(job):            # finished by another grid since this one listed it
@@ -378,6 +383,7 @@ def run_jobs(jobs: list[dict], workers: int = 1, fresh: bool = False) -> list[di
         for i, job in enumerate(todo):
             report(i, run_one(job))
     elif todo:
+        todo = [{**j, "parent": os.getpid()} for j in todo]    # workers stop if this process dies
         pool = ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn"),
                                    max_tasks_per_child=1 if fresh else None)
         try:

@@ -209,6 +209,22 @@ def test_git_diff_rebuilds_the_dirty_tree_untracked_files_included(tmp_path, mon
     assert (clone / "a.py").read_text() == "x = 2\n" and (clone / "b.py").read_text() == "y = 3\n"
 
 
+def test_a_worker_whose_grid_is_gone_starts_no_run(tmp_path, monkeypatch):
+    """A pool worker left behind by a killed grid (its parent pid is no longer its parent) refuses
+    the next queued run before touching the folder; its own grid's runs go ahead."""
+    out = tmp_path / "run"
+    job = {"out": str(out), "argv": ["--steps", "2", "--out_dir", str(out)],
+           "parent": os.getppid() + 12345}                 # not this process's parent
+    monkeypatch.setattr(grid, "train", lambda argv: pytest.fail("an orphan trained"))
+    with pytest.raises(SystemExit, match="the grid that queued it .* is gone; not started"):
+        grid.run_one(job)
+    assert not out.exists()
+    (out).mkdir()
+    (out / grid.MARKER).write_text(json.dumps({"argv": job["argv"], "steps": 2, "step": 2,
+                                               "finished": True}))
+    assert grid.run_one({**job, "parent": os.getppid()})["finished"]     # its parent: goes on
+
+
 def test_code_commit_is_the_commit_a_process_loaded_not_a_later_checkout(monkeypatch):
     monkeypatch.setattr(grid, "LOADED_CODE", [])
     monkeypatch.setattr(grid, "git_commit", lambda: "aaa1111")
