@@ -1115,6 +1115,17 @@ def row_name(setting: str) -> str:
     return (f"d = {parts[1][1:]}, " if parts[0] == "v3" else "") + f"L = {L}"
 
 
+def diff_cell(c: dict | None) -> str:
+    """One paired comparison as a table cell: "Δ ± SE (p → Holm p)" in points, bold when it
+    survives Holm; "–" for none. Example: {mean 0.2, se 0.05, p 0.01, p_holm 0.04} ->
+    "**+20.0 ± 5.0 (0.010 → 0.040)**"."""
+    if c is None:
+        return "–"
+    mean = f"{100 * c['mean']:+.1f}".replace("-", "−")
+    text = f"{mean} ± {100 * c['se']:.1f} ({fmt_p(c['p'])} → {fmt_p(c['p_holm'])})"
+    return f"**{text}**" if c["p_holm"] < ALPHA else text
+
+
 def page_tables(records: list[dict], ref: str = "mpo") -> str:
     """The two compact tables docs/testbed.md quotes, generated from the raw records (a test
     checks the page holds exactly this text, so its numbers cannot go stale): final success per
@@ -1136,13 +1147,7 @@ def page_tables(records: list[dict], ref: str = "mpo") -> str:
     for st in settings:
         row = []
         for v in others:
-            c = comps.get((st, v))
-            if c is None:
-                row.append("–")
-                continue
-            mean = f"{100 * c['mean']:+.1f}".replace("-", "−")
-            text = f"{mean} ± {100 * c['se']:.1f} ({fmt_p(c['p'])} → {fmt_p(c['p_holm'])})"
-            row.append(f"**{text}**" if c["p_holm"] < ALPHA else text)
+            row.append(diff_cell(comps.get((st, v))))
         lines.append(f"| {row_name(st)} | " + " | ".join(row) + " |")
     return ("\n".join(lines).replace("+0.0 ±", "0.0 ±") + "\n\n"
             + provenance_summary(records) + "\n")

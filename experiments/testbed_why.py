@@ -288,15 +288,7 @@ def paired_table(comps: list[dict], metric: str) -> str:
     head = ["arm", "variant"] + [f"− {row_label(*ref)}: Δ {metric} (p → Holm p)" for ref in refs]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
-        cells = []
-        for ref in refs:
-            c = by.get((row, ref))
-            if c is None:
-                cells.append("–")
-                continue
-            text = (f"{signed(c['mean'])} ± {100 * c['se']:.1f} "
-                    f"({grid.fmt_p(c['p'])} → {grid.fmt_p(c['p_holm'])})")
-            cells.append(f"**{text}**" if c["p_holm"] < grid.ALPHA else text)
+        cells = [grid.diff_cell(by.get((row, ref))) for ref in refs]
         lines.append("| " + " | ".join([row[0], SHORT.get(row[1], row[1]), *cells]) + " |")
     return "\n".join(lines) + "\n"
 

@@ -423,12 +423,17 @@ assert close(w_turn_b1[turn_ids == 0], 0.8**2, 1e-12)          # β only reshape
 assert close(0.95**200, 3.5e-5, 1e-6)
 
 # %%
+def shade_turns(*axes):
+    """Shade each turn's span of action tokens (observations removed) on the given axes."""
+    for ax in axes:
+        for k in range(3):
+            p = (turn_ids[act] == k).nonzero().flatten()
+            ax.axvspan(p[0] - 0.5, p[-1] + 0.5, color=f"C{k}", alpha=0.08)
+
+
 fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4))
 xa = torch.arange(int(act.sum()))                               # action tokens only, in order
-for ax in (ax1, ax2):
-    for k in range(3):
-        p = (turn_ids[act] == k).nonzero().flatten()
-        ax.axvspan(p[0] - 0.5, p[-1] + 0.5, color=f"C{k}", alpha=0.08)
+shade_turns(ax1, ax2)
 ax1.plot(xa, adv_grpo[act], "C7-", label="GRPO (group of 4, scores 1,0,0,0)")
 ax1.plot(xa, adv_ppo[act], "C1.-", label="PPO token GAE (λ = 0.95)")
 ax1.plot(xa, adv_mpo[act], "C2.-", label="MPO (λ = 0.8, λ_intra = 0.95, β = 1)")
@@ -649,10 +654,7 @@ assert close([g_mpo[turn_ids == 0].min(), g_mpo[turn_ids == 0].max()], [0.5111, 
 
 # %%
 fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4))
-for ax in (ax1, ax2):
-    for k in range(3):
-        p = (turn_ids[act] == k).nonzero().flatten()
-        ax.axvspan(p[0] - 0.5, p[-1] + 0.5, color=f"C{k}", alpha=0.08)
+shade_turns(ax1, ax2)
 ax1.plot(xa, g_shared[act], "C3.-", label="shared differentiable ρ_t: ρ_t L_t A^turn_t")
 ax1.plot(xa, g_mpo[act], "C2.-", label="stop-gradient ρ̃ (mpo.turn_ratio): ρ_t A^MAE_{t,i}")
 ax1.set_ylabel("∂(Σ ρ A^MAE) / ∂ log π(token)")
