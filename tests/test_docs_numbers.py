@@ -182,3 +182,30 @@ def test_readme_why_line_comes_from_the_mechanism_arms():
         in readme
     assert (f"(turn critic {text(('turn_critic', 'mpo_beta0'), G)}, warm-up "
             f"{text(('warmup30', 'mpo_beta0'), G)})") in readme
+
+
+def test_why_tuning_prose_numbers_come_from_its_raw_file():
+    from experiments import testbed_why as why
+    records = runs(why.RESULTS)
+    chosen = why.choose(records)
+    assert chosen["mpo"]["pair"] == (3e-3, 1e-2) and chosen["mpo_beta0"]["default"] \
+        and chosen["grpo"]["default"]
+    grid_auc = dict((tuple(p), a) for p, a in chosen["mpo"]["grid"])
+    tuned = why.tuned_rows(records)
+    comps = {(c["row"], c["ref"]): c for c in why.paired(
+        tuned, [("tuned", "mpo"), ("tuned", "grpo")], "final")}
+    gap = comps[(("tuned", "grpo"), ("tuned", "mpo"))]
+    a = [r for r in tuned if r["variant"] == "mpo"]
+    text = page("docs/testbed.md")
+    assert (f"(tuning AUC {100 * grid_auc[(3e-3, 1e-2)]:.1f} against "
+            f"{100 * grid_auc[(3e-3, 3e-3)]:.1f} at the default)") in text
+    assert (f"Tuned A on seeds 0–9: {grid.mean_se([r['final'] for r in a])} % (AUC "
+            f"{100 * statistics.mean(r['auc'] for r in a):.1f})") in text
+    assert (f"tuned GRPO − tuned A = {why.signed(gap['mean'])} ± {100 * gap['se']:.1f} "
+            f"(Holm {grid.fmt_p(gap['p_holm'])})") in text
+    assert (f"tuned GRPO − tuned A = {why.signed(gap['mean'])} ± {100 * gap['se']:.1f} "
+            f"(Holm {grid.fmt_p(gap['p_holm'])}; PPO") in page("docs/results.md")
+    later = statistics.mean(r["critic"]["ev_R_later_turns"] for r in a)
+    control = statistics.mean(r["critic"]["ev_R_later_turns"] for r in records
+                              if r["arm"] == "control" and r["variant"] == "mpo")
+    assert f"on the later turns {later:.2f} on average, against {control:.2f} at" in text
