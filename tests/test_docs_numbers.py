@@ -189,7 +189,9 @@ def test_why_tuning_prose_numbers_come_from_its_raw_file():
     records = runs(why.RESULTS)
     chosen = why.choose(records)
     assert chosen["mpo"]["pair"] == (3e-3, 1e-2) and chosen["mpo_beta0"]["default"] \
-        and chosen["grpo"]["default"]
+        and chosen["grpo"]["default"] and chosen["sao"]["default"]
+    assert chosen["ppo"]["pair"] == (3e-3, 1e-2)
+    assert "C, GRPO and SAO choose the defaults; PPO a critic rate of 1e-2" in page("docs/testbed.md")
     grid_auc = dict((tuple(p), a) for p, a in chosen["mpo"]["grid"])
     tuned = why.tuned_rows(records)
     comps = {(c["row"], c["ref"]): c for c in why.paired(
