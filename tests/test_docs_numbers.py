@@ -207,6 +207,8 @@ def test_why_tuning_prose_numbers_come_from_its_raw_file():
             f"(Holm {grid.fmt_p(gap['p_holm'])})") in text
     assert (f"tuned GRPO − tuned A = {why.signed(gap['mean'])} ± {100 * gap['se']:.1f} "
             f"(Holm {grid.fmt_p(gap['p_holm'])}; PPO") in page("docs/results.md")
+    ppo = comps[(("tuned", "ppo"), ("tuned", "mpo"))]
+    assert f"tuned PPO ends {100 * -ppo['mean']:.1f} ± {100 * ppo['se']:.1f} points below" in text
     later = statistics.mean(r["critic"]["ev_R_later_turns"] for r in a)
     control = statistics.mean(r["critic"]["ev_R_later_turns"] for r in records
                               if r["arm"] == "control" and r["variant"] == "mpo")
