@@ -241,7 +241,10 @@ def code_state() -> tuple[str, str | None]:
     loaded for the whole grid, so the checkout at a later run (after a commit or an edit made
     meanwhile) is not the code that ran."""
     if not LOADED_CODE:
-        LOADED_CODE.append((git_commit(), git_diff()))
+        commit, diff = git_commit(), git_diff()
+        if diff is None:                # dirty only under docs/ (pages, results): the code is clean
+            commit = commit.split("+")[0]
+        LOADED_CODE.append((commit, diff))
     return LOADED_CODE[0]
 
 

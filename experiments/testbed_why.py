@@ -352,7 +352,9 @@ def provenance_line(records: list[dict]) -> str:
     missing = sum(not r.get("code") for r in records)
     return (f"{len(records)} records; code: commit{'s' if dirty else ''} "
             f"{', '.join(sorted({c['commit'] for r in records for c in r.get('code', [])}))}"
-            f", {dirty} with a saved diff (docs/testbed/why/diffs/), {missing} without provenance; "
+            f", {dirty} with a saved diff (docs/testbed/why/diffs/), {missing} without provenance "
+            "(a commit marked '+uncommitted changes' with no saved diff: only docs/ differed, "
+            "which the saved diff leaves out; the code ran at that commit); "
             f"CPU: {'; '.join(cpus)}.")
 
 

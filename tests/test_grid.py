@@ -231,6 +231,10 @@ def test_code_commit_is_the_commit_a_process_loaded_not_a_later_checkout(monkeyp
     assert grid.code_commit() == "aaa1111"
     monkeypatch.setattr(grid, "git_commit", lambda: "bbb2222")   # committed while it runs
     assert grid.code_commit() == "aaa1111"                       # the worker still runs aaa1111
+    monkeypatch.setattr(grid, "LOADED_CODE", [])                 # dirty under docs/ only:
+    monkeypatch.setattr(grid, "git_commit", lambda: "ccc3333+uncommitted changes")
+    monkeypatch.setattr(grid, "git_diff", lambda: None)          # nothing outside docs/ differs
+    assert grid.code_state() == ("ccc3333", None)
 
 
 def test_paper_grid_runs_each_point_and_seed_once_then_skips_finished_runs(tiny_model, tmp_path,
