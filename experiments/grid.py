@@ -914,13 +914,14 @@ def check_record(r: dict, where) -> None:
                          "Re-run it")
 
 
-def collect_v2(out: Path) -> list[dict]:
-    """The raw records of the finished v2 runs under out/runs (unfinished runs are left out)."""
+def collect_v2(out: Path, field: str = "regime") -> list[dict]:
+    """The raw records of the finished runs under out/runs whose marker has `field` (v2 and v3:
+    "regime"; testbed_why: "arm"); unfinished runs are left out."""
     import run_utils
     records = []
     for f in sorted((out / "runs").glob(f"*/{MARKER}")):
         marker = json.loads(f.read_text())
-        if marker.get("finished") and marker.get("regime"):
+        if marker.get("finished") and marker.get(field):
             records.append(v2_record(marker, run_utils.read_metrics(f.parent / "metrics.jsonl")))
     return records
 
@@ -931,16 +932,17 @@ def earlier_info(path: Path) -> dict | None:
     return json.loads(path.read_text())["info"] if path.exists() else None
 
 
-def merge_records(path: Path, records: list[dict]) -> tuple[list[dict], int]:
-    """records plus those already in the results file at path whose run (setting, variant,
-    seed) is not among them: a grid continued in a later session, whose earlier run folders are
-    gone, keeps the runs it committed. Returns the merged records, in grid order, and how many
-    came from the file."""
-    key = lambda r: (r["setting"], r["variant"], r["seed"])
+def merge_records(path: Path, records: list[dict], key=None,
+                  order=None) -> tuple[list[dict], int]:
+    """records plus those already in the results file at path whose run (key: setting, variant,
+    seed by default) is not among them: a grid continued in a later session, whose earlier run
+    folders are gone, keeps the runs it committed. Returns the merged records, sorted by `order`
+    (default: grid order), and how many came from the file."""
+    key = key or (lambda r: (r["setting"], r["variant"], r["seed"]))
     have = {key(r) for r in records}
     old = [r for r in json.loads(path.read_text())["runs"] if key(r) not in have] \
         if path.exists() else []
-    return sorted(records + old, key=order_key), len(old)
+    return sorted(records + old, key=order or order_key), len(old)
 
 
 def write_results(path: Path, info: dict, records: list[dict]) -> Path:

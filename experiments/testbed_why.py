@@ -160,18 +160,6 @@ def tuned_jobs(root: Path, cache: Path, extra: list[str], chosen: dict) -> list[
 
 # --- records ----------------------------------------------------------------------------------
 
-def collect(out: Path) -> list[dict]:
-    """The records of the finished runs under out/runs (v3's format plus `arm`)."""
-    import run_utils
-    records = []
-    for f in sorted((out / "runs").glob(f"*/{grid.MARKER}")):
-        marker = json.loads(f.read_text())
-        if marker.get("finished") and marker.get("arm"):
-            records.append(grid.v2_record(marker, run_utils.read_metrics(f.parent /
-                                                                         "metrics.jsonl")))
-    return records
-
-
 def key(r: dict) -> tuple:
     return (r["arm"], r["variant"], r["seed"])
 
@@ -186,11 +174,7 @@ def save(out: Path, results: Path, argv: list[str], planned: int) -> list[dict]:
     """Write the records of the finished runs into results, keeping records already there whose
     run folder is gone; copy each sitting's diff beside them (diffs/), so every record's code
     can be rebuilt from the repository alone."""
-    records = collect(out)
-    have = {key(r) for r in records}
-    old = [r for r in json.loads(results.read_text())["runs"] if key(r) not in have] \
-        if results.exists() else []
-    records = sorted(records + old, key=order)
+    records, kept = grid.merge_records(results, grid.collect_v2(out, "arm"), key, order)
     diffs = results.parent / "diffs"
     for r in records:
         for c in r.get("code", []):
@@ -200,7 +184,7 @@ def save(out: Path, results: Path, argv: list[str], planned: int) -> list[dict]:
                 shutil.copyfile(src, diffs / c["diff"])
     grid.write_results(results, {
         "command": "python experiments/testbed_why.py " + " ".join(argv), "runs": len(records),
-        "planned": planned, "kept_from_file": len(old), "commit": grid.git_commit(),
+        "planned": planned, "kept_from_file": kept, "commit": grid.git_commit(),
         "run_min_total": round(sum(r["wall_s"] or 0 for r in records) / 60, 1),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {grid.cpu_kind()}",
         "python": platform.python_version()}, records)
