@@ -924,6 +924,35 @@ def within_turn_share(adv: torch.Tensor, turn_ids: torch.Tensor) -> float:
     return float(within / total) if total > 0 else 0.0
 
 
+def credit_quality(adv: torch.Tensor, turn_ids: torch.Tensor, trajs: list) -> dict[str, float]:
+    """The estimator's credit quality where each turn's own verdict is known (the testbed, whose
+    episodes end with info["correct"] = [1{key k right}] per scored turn): for every turn k, the
+    correlation over the batch's episodes of turn k's mean advantage with 1{key k right}
+    (`adv/credit_corr_turn<k>`), and their mean over the turns where it is defined
+    (`adv/credit_corr`). An estimator that gives turn k the credit of its own key scores near 1;
+    one score for the whole episode (GRPO) scores about 1/√K with K independent keys. Nothing
+    (an empty dict) when an episode has no per-turn verdicts or their count is not its number
+    of turns (streaming), and no entry for a turn whose verdict or advantage does not vary."""
+    correct = [t.info.get("correct") for t in trajs]
+    K = int(turn_ids.max()) + 1 if (turn_ids >= 0).any() else 0
+    if K == 0 or any(c is None or len(c) != K for c in correct):
+        return {}
+    act = turn_ids >= 0
+    sums, _ = mpo.turn_residual_sums(torch.where(act, adv.double(), 0.0), turn_ids, K,
+                                     validate=False)                          # (B, K) Σ_i A
+    counts, _ = mpo.turn_residual_sums(act.double(), turn_ids, K, validate=False)  # (B, K) n_t
+    means = sums / counts.clamp(min=1)                                         # (B, K)
+    verdicts = torch.tensor(correct, dtype=torch.float64, device=means.device)  # (B, K)
+    out = {}
+    for k in range(K):
+        x, y = means[:, k] - means[:, k].mean(), verdicts[:, k] - verdicts[:, k].mean()
+        if float(x.norm()) > 0 and float(y.norm()) > 0:
+            out[f"adv/credit_corr_turn{k}"] = float((x * y).sum() / (x.norm() * y.norm()))
+    if out:
+        out["adv/credit_corr"] = sum(out.values()) / len(out)
+    return out
+
+
 def critic_gates(batch: dict) -> dict[str, float]:
     """The critic's explained variance 1 − Var(R − V) / Var(R) over action tokens, of its rollout
     values V against its training targets (`critic/explained_variance`) and against the outcome
@@ -948,6 +977,7 @@ def step_metrics(step: int, trajs: list, n: int, batch: dict, stats: dict, times
             **{f"loss/{k}": v for k, v in stats.items()},
             "adv/mean": float(adv.mean()), "adv/std": float(adv.std()),
             "adv/within_turn_share": within_turn_share(batch["advantages"], batch["turn_ids"]),
+            **credit_quality(batch["advantages"], batch["turn_ids"], trajs),
             **{f"time/{k}_s": v for k, v in times.items()},
             "time/step_s": sum(times.values()),
             "tokens_per_s": float(act.sum()) / times["generate"],

@@ -63,6 +63,7 @@ import json
 import math
 import os
 import platform
+import re
 import signal
 import statistics
 import subprocess
@@ -885,7 +886,9 @@ def v2_record(marker: dict, rows: list[dict]) -> dict:
         "within_turn_share": rounded(mean_of(rows, "adv/within_turn_share")),
         "tokens_per_turn": rounded(mean_of(rows, "train/tokens_per_turn"), 2),
         "critic": {k: rounded(structure[k]) for k in
-                   ("ev_R", "ev_R_later_turns", "ev_R_turn0", "ev_R_turn1", "ev_R_turn2",
+                   ("ev_R", "ev_R_later_turns", *sorted(
+                       (k for k in structure if re.fullmatch(r"ev_R_turn\d+", k)),
+                       key=lambda k: int(k[9:])),
                     "between_share_token_median",
                     "boundary_share_sq_changes", "grouped_between_share_token_median",
                     "grouped_boundary_share_sq_changes") if k in structure},
@@ -895,9 +898,23 @@ def v2_record(marker: dict, rows: list[dict]) -> dict:
             "wall_s_complete": marker.get("wall_s_complete", True)}
            if marker.get("sittings") else {}),
         **({"arm": marker["arm"]} if "arm" in marker else {}),
+        **credit_record(rows, warmup),
         **({"warmup": warmup, "ev_at_warmup_end": rounded(
             next((r.get(ev) for r in rows if r["step"] == warmup), None))} if warmup else {}),
     }
+
+
+def credit_record(rows: list[dict], warmup: int = 0) -> dict:
+    """The advantage's credit quality over a run's policy updates (run_utils.credit_quality, where
+    the episodes carry per-turn verdicts): `credit_corr`, the mean over updates of the mean over
+    turns, and `credit_corr_turns`, each turn's mean over updates; {} where never logged."""
+    rows = [r for r in rows if r["step"] > warmup and "adv/credit_corr" in r]
+    if not rows:
+        return {}
+    K = 1 + max(int(k[20:]) for r in rows for k in r if k.startswith("adv/credit_corr_turn"))
+    return {"credit_corr": rounded(mean_of(rows, "adv/credit_corr")),
+            "credit_corr_turns": [rounded(mean_of(rows, f"adv/credit_corr_turn{k}"))
+                                  for k in range(K)]}
 
 
 def check_record(r: dict, where) -> None:

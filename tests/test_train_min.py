@@ -921,6 +921,28 @@ def test_gate_within_turn_share_of_advantage_variance():
     assert run_utils.within_turn_share(varied, torch.full_like(tid, -1)) == 0.0
 
 
+def test_credit_quality_correlates_each_turns_mean_advantage_with_its_own_verdict():
+    from types import SimpleNamespace as NS
+    tid = torch.tensor([[-1, 0, 0, -1, 1, 1]] * 4)                            # K = 2, L = 2
+    verdicts = [[1, 0], [0, 1], [1, 1], [0, 0]]
+    trajs = [NS(info={"correct": c}) for c in verdicts]
+    own = torch.tensor([[0, a, a, 0, b, b] for a, b in verdicts], dtype=torch.float)
+    out = run_utils.credit_quality(own, tid, trajs)   # each turn's credit = its own key: 1
+    assert out == {"adv/credit_corr_turn0": pytest.approx(1.0),
+                   "adv/credit_corr_turn1": pytest.approx(1.0), "adv/credit_corr": pytest.approx(1.0)}
+    score = torch.tensor([[0, a + b, a + b, 0, a + b, a + b] for a, b in verdicts], dtype=torch.float)
+    out = run_utils.credit_quality(score, tid, trajs)   # GRPO-like: one score, keys independent
+    assert out["adv/credit_corr"] == pytest.approx(1 / math.sqrt(2))
+    # the mean of a turn's tokens counts, not each token: within-turn spread about it is ignored
+    spread = own + torch.tensor([[0, .3, -.3, 0, .1, -.1]] * 4)
+    assert run_utils.credit_quality(spread, tid, trajs)["adv/credit_corr"] == pytest.approx(1.0)
+    constant = [NS(info={"correct": [1, c[1]]}) for c in verdicts]   # turn 0's verdict never varies
+    assert set(run_utils.credit_quality(own, tid, constant)) == {"adv/credit_corr_turn1",
+                                                                  "adv/credit_corr"}
+    assert run_utils.credit_quality(own, tid, [NS(info={})] * 4) == {}       # no verdicts
+    assert run_utils.credit_quality(own, tid, [NS(info={"correct": [1]})] * 4) == {}  # streaming
+
+
 def test_gate_critic_explained_variance_against_targets_and_against_the_outcome():
     tid = torch.tensor([[-1, 0, 0, -1, 1], [-1, 0, 0, -1, -1], [-1, 0, 1, 1, -1]])
     scores = torch.tensor([1.0, 0.0, 1.0])

@@ -1,0 +1,304 @@
+"""The testbed's fourth study (v4): several decisive turns, progress visible at every boundary
+(docs/testbed.md, "The fourth study (v4)"; issue 53). Design and predictions are on the page,
+written before this file and before any run.
+
+    python experiments/testbed_v4.py run        # the 240 runs, seed by seed, resumable (~6 h here)
+    python experiments/testbed_v4.py run --seeds 0 1 2   # the first seeds only
+    python experiments/testbed_v4.py collect    # records of the runs finished so far
+    python experiments/testbed_v4.py report     # tables and page sections from the raw file
+
+Design (fixed before the runs):
+- Settings: K in {2, 4, 8} turns of L = 16 tokens, every turn's key counts (R = the fraction
+  right), the verdict (ok / no) at the next boundary, key anywhere, full turns; and K = 4 without
+  verdicts (the control: no progress visible).
+- Variants A, B, C, PPO, GRPO, SAO x seeds 0-9, each at its own tuned learning rates from
+  "Why MPO lost" (TUNED; B at A's), and every critic method after the same WARMUP critic-only
+  updates (SAO's own 10 replaced by them); 60 policy updates; greedy validation on 32 held-out
+  tasks every 5 updates. GRPO has no critic and no warm-up.
+- Per run: v3's gates, the final critic's EV vs R on each turn's tokens (fresh validation
+  episodes) and the credit quality (run_utils.credit_quality: each turn's mean advantage against
+  its own verdict, logged every update).
+- Tests: paired t-tests by seed of every variant against A and against GRPO in each setting,
+  Holm over the section's comparisons (final success); the K-trend of GRPO - A read from the
+  per-setting paired means.
+Runs go to --out (default runs/testbed-v4; git-ignored), one folder per run, one writer each,
+resumed where a run stopped (grid.run_jobs); each sitting records its commit, CPU and diff.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from experiments import grid  # noqa: E402
+
+ROOT = grid.ROOT
+TURN_LEN, STEPS, WARMUP = 16, 60, 30
+SEEDS = tuple(range(10))
+VARIANTS = ("mpo", "mpo_token_is", "mpo_beta0", "ppo", "grpo", "sao")
+CRITIC_VARIANTS = tuple(v for v in VARIANTS if v != "grpo")
+# setting -> (K, verdicts shown)
+SETTINGS = {"v4-K2": (2, True), "v4-K4": (4, True), "v4-K8": (8, True), "v4-K4-nofb": (4, False)}
+BASE_FLAGS = ["--testbed_decisive", "every", "--testbed_key_anywhere", "true",
+              "--testbed_full_turns", "true"]
+# (policy lr, critic lr) from "Why MPO lost" (docs/testbed/why/results.json, tuning seeds
+# 100-102; tests/test_testbed_v4.py checks them against its choice); B takes A's.
+TUNED = {"mpo": (3e-3, 1e-2), "mpo_token_is": (3e-3, 1e-2), "mpo_beta0": (3e-3, 3e-3),
+         "ppo": (3e-3, 1e-2), "grpo": (3e-3, None), "sao": (3e-3, 3e-3)}
+RESULTS = ROOT / "docs" / "testbed" / "v4" / "results.json"
+PAGE_SECTION, SUMMARY_SECTION = "v4-tables", "v4-summary"
+SUMMARY_PAGE = ROOT / "docs" / "results.md"
+SHORT = grid.SHORT
+
+
+def flags(setting: str, variant: str) -> list[str]:
+    """The train_min flags of one run after the common ones (grid.testbed_job)."""
+    K, feedback = SETTINGS[setting]
+    policy, critic = TUNED[variant]
+    out = [*BASE_FLAGS, "--testbed_turns", str(K), "--testbed_feedback",
+           "true" if feedback else "false", "--lr_policy", f"{policy:g}"]
+    if critic is not None:
+        out += ["--lr_critic", f"{critic:g}", "--lr_value_head", f"{critic:g}",
+                "--critic_warmup_steps", str(WARMUP)]
+    return out
+
+
+def job(root: Path, cache: Path, setting: str, variant: str, seed: int, extra: list[str]) -> dict:
+    K, feedback = SETTINGS[setting]
+    warmup = WARMUP if variant in CRITIC_VARIANTS else 0
+    return grid.testbed_job(root, setting, variant, seed, STEPS + warmup, TURN_LEN,
+                            [*flags(setting, variant), *extra],
+                            {"regime": "v4", "turns": K, "feedback": feedback, "warmup": warmup,
+                             "streaming": False, "lr": list(TUNED[variant])}, cache)
+
+
+def jobs(root: Path, cache: Path, extra: list[str], seeds=SEEDS) -> list[dict]:
+    """Seed by seed (a grid stopped early holds complete seeds of every cell), the longest runs
+    (K = 8, the critic methods) first within a seed, so two workers finish close together."""
+    out = [job(root, cache, s, v, seed, extra) for seed in seeds for s in SETTINGS
+           for v in VARIANTS]
+    rank = {seed: i for i, seed in enumerate(seeds)}
+    return sorted(out, key=lambda j: (rank[j["meta"]["seed"]], -j["meta"]["turns"],
+                                      -j["meta"]["warmup"]))
+
+
+# --- records ----------------------------------------------------------------------------------
+
+def order(r: dict) -> tuple:
+    return (list(SETTINGS).index(r["setting"]), VARIANTS.index(r["variant"]), r["seed"])
+
+
+def save(out: Path, results: Path, argv: list[str]) -> list[dict]:
+    """The finished runs' records into results (keeping committed records whose run folder is
+    gone), each sitting's diff copied beside them (diffs/)."""
+    records, kept = grid.merge_records(results, grid.collect_v2(out, "regime"), None, order)
+    records = [r for r in records if r["regime"] == "v4"]
+    diffs = results.parent / "diffs"
+    for r in records:
+        for c in r.get("code", []):
+            if c["diff"] and not (diffs / c["diff"]).exists():
+                src = out / "runs" / f"{r['setting']}-{r['variant']}-s{r['seed']}" / c["diff"]
+                diffs.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(src, diffs / c["diff"])
+    grid.write_results(results, {
+        "command": "python experiments/testbed_v4.py " + " ".join(argv), "runs": len(records),
+        "planned": len(SETTINGS) * len(VARIANTS) * len(SEEDS), "kept_from_file": kept,
+        "commit": grid.git_commit(),
+        "run_min_total": round(sum(r["wall_s"] or 0 for r in records) / 60, 1),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {grid.cpu_kind()}",
+        "python": platform.python_version()}, records)
+    return records
+
+
+def load(results: Path = RESULTS) -> list[dict]:
+    records = json.loads(results.read_text())["runs"]
+    for r in records:
+        grid.check_record(r, results)
+    return records
+
+
+# --- tables -----------------------------------------------------------------------------------
+
+def signed(x: float) -> str:
+    text = f"{100 * x:+.1f}".replace("-", "−")
+    return "0.0" if text in ("+0.0", "−0.0") else text
+
+
+def cells_of(records: list[dict]) -> dict[tuple[str, str], list[dict]]:
+    """(setting, variant) -> its records on the study's seeds, in table order."""
+    out: dict[tuple[str, str], list[dict]] = {}
+    for r in sorted(records, key=order):
+        if r["seed"] in SEEDS:
+            out.setdefault((r["setting"], r["variant"]), []).append(r)
+    return out
+
+
+def at_update(r: dict, update: int) -> float | None:
+    """Validation success at policy update `update` (None: not evaluated there)."""
+    return next((v for s, v in r["curve"] if s == update), None)
+
+
+def ev_turns(rs: list[dict], K: int) -> str:
+    """The final critic's EV vs R on each turn's tokens, mean over seeds: "0.01 / 0.48"."""
+    out = []
+    for k in range(K):
+        xs = [r["critic"].get(f"ev_R_turn{k}") for r in rs]
+        xs = [x for x in xs if x is not None]
+        out.append(f"{statistics.mean(xs):.2f}" if xs else "–")
+    return " / ".join(out)
+
+
+def cell_table(records: list[dict]) -> str:
+    head = ["setting", "variant", "seeds", "final success", "AUC", "at equal samples",
+            "credit quality", "critic EV vs R, turn 0 / 1 / …", "EV vs R, all turns",
+            "between-turn share"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for (setting, v), rs in cells_of(records).items():
+        K = SETTINGS[setting][0]
+        equal = [at_update(r, STEPS - r.get("warmup", 0)) for r in rs]   # same rollouts
+        lines.append("| " + " | ".join([
+            setting, SHORT.get(v, v), str(len(rs)), grid.mean_se([r["final"] for r in rs]),
+            grid.mean_se([r["auc"] for r in rs]), grid.mean_se(equal),
+            grid.mean_se([r.get("credit_corr") for r in rs], 1.0, 2),
+            ev_turns(rs, K) if v != "grpo" else "–",
+            grid.mean_se([r["critic"].get("ev_R") for r in rs], 1.0, 2),
+            grid.mean_se([r["critic"].get("between_share_token_median") for r in rs], 1.0, 2),
+        ]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def paired(records: list[dict], metric: str = "final") -> list[dict]:
+    """Every variant minus A and minus GRPO within each setting, paired by seed; Holm over all
+    of them (the section's family)."""
+    cells = cells_of(records)
+    by = {(s, v, r["seed"]): r[metric] for (s, v), rs in cells.items() for r in rs}
+    comps = []
+    for setting in SETTINGS:
+        for ref in ("mpo", "grpo"):
+            for v in VARIANTS:
+                if v == ref or (setting, v) not in cells or (setting, ref) not in cells:
+                    continue
+                seeds = [s for s in SEEDS if (setting, v, s) in by and (setting, ref, s) in by]
+                if len(seeds) < 2:
+                    continue
+                t = grid.paired_t([by[(setting, v, s)] for s in seeds],
+                                  [by[(setting, ref, s)] for s in seeds])
+                comps.append({"setting": setting, "row": v, "ref": ref, **t})
+    for c, p in zip(comps, grid.holm([c["p"] for c in comps])):
+        c["p_holm"] = p
+    return comps
+
+
+def paired_table(comps: list[dict]) -> str:
+    by = {(c["setting"], c["row"], c["ref"]): c for c in comps}
+    lines = ["| setting | variant | − A: Δ final (p → Holm p) | − GRPO: Δ final (p → Holm p) |",
+             "|---|---|---|---|"]
+    for setting in SETTINGS:
+        for v in VARIANTS:
+            cells = [by.get((setting, v, ref)) for ref in ("mpo", "grpo")]
+            if any(cells):
+                lines.append(f"| {setting} | {SHORT[v]} | "
+                             + " | ".join(grid.diff_cell(c) for c in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def trend_table(records: list[dict]) -> str:
+    """GRPO − A and GRPO − C by setting (paired, final success and AUC), and the credit quality
+    of A, C and GRPO: the K-trend the predictions are about."""
+    cells = cells_of(records)
+    lines = ["| setting | seeds | GRPO − A, final | GRPO − A, AUC | GRPO − C, final | "
+             "credit quality A / C / GRPO |", "|---|---|---|---|---|---|"]
+    for setting in SETTINGS:
+        out, n = [], 0
+        for ref, metric in (("mpo", "final"), ("mpo", "auc"), ("mpo_beta0", "final")):
+            a = {r["seed"]: r[metric] for r in cells.get((setting, "grpo"), [])}
+            b = {r["seed"]: r[metric] for r in cells.get((setting, ref), [])}
+            seeds = sorted(set(a) & set(b))
+            if len(seeds) < 2:
+                out.append("–")
+                continue
+            n = max(n, len(seeds))
+            t = grid.paired_t([a[s] for s in seeds], [b[s] for s in seeds])
+            out.append(f"{signed(t['mean'])} ± {100 * t['se']:.1f}")
+        quality = " / ".join(grid.mean_se([r.get("credit_corr") for r in cells.get((setting, v),
+                                                                                   [])], 1.0, 2)
+                             .split(" ±")[0] for v in ("mpo", "mpo_beta0", "grpo"))
+        if n:
+            lines.append(f"| {setting} | {n} | " + " | ".join(out) + f" | {quality} |")
+    return "\n".join(lines) + "\n"
+
+
+def provenance_line(records: list[dict]) -> str:
+    dirty = sum(any(c["diff"] for c in r.get("code", [])) for r in records)
+    commits = sorted({c["commit"] for r in records for c in r.get("code", [])})
+    cpus = sorted({c["cpu"] for r in records for c in r.get("code", [])})
+    done = {s: sum(r["setting"] == s for r in records) for s in SETTINGS}
+    return (f"{len(records)} of {len(SETTINGS) * len(VARIANTS) * len(SEEDS)} planned runs ("
+            + ", ".join(f"{s}: {n}" for s, n in done.items()) + f"); code: {', '.join(commits)}"
+            f", {dirty} with a saved diff (docs/testbed/v4/diffs/); CPU: {'; '.join(cpus)}.")
+
+
+def report(results: Path = RESULTS, out: Path | None = None) -> str:
+    """table.md beside the results and the page sections, from the raw file."""
+    records = load(results)
+    out = out or results.parent
+    comps = paired(records)
+    rel = results.relative_to(ROOT / "docs")
+    body = "\n".join([
+        f"Generated by `python experiments/testbed_v4.py report` from [{rel}]({rel}); "
+        + provenance_line(records) + "\n",
+        "**Cells** (final = greedy validation success after the 60th policy update; AUC = mean "
+        "of the 12 evaluations by policy update; at equal samples = the critic methods at their "
+        f"{STEPS - WARMUP}th policy update ({STEPS} rollout batches with the warm-up's "
+        f"{WARMUP}), GRPO at its {STEPS}th; credit quality = correlation of each turn's mean "
+        "advantage with its own verdict, mean over turns and policy updates; critic columns: the "
+        "final critic on fresh validation episodes):\n", cell_table(records),
+        "\n**The K-trend** (paired by seed, points, mean ± SE):\n", trend_table(records),
+        "\n**Paired by seed, final success** (Holm over this table's comparisons):\n",
+        paired_table(comps)])
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "table.md").write_text("# Testbed v4: several decisive turns, tables\n\n" + body)
+    grid.update_page(grid.TESTBED_PAGE, PAGE_SECTION, body)
+    grid.update_page(SUMMARY_PAGE, SUMMARY_SECTION, trend_table(records))
+    print(body)
+    return body
+
+
+# --- command line -----------------------------------------------------------------------------
+
+def main(argv=None) -> str | None:
+    argv = sys.argv[1:] if argv is None else argv
+    own, extra = grid.split_argv(argv)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("cmd", choices=("run", "collect", "report"))
+    ap.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS))
+    ap.add_argument("--workers", type=int, default=2, choices=(1, 2))
+    ap.add_argument("--out", type=Path, default=Path("runs/testbed-v4"))
+    ap.add_argument("--results", type=Path, default=RESULTS)
+    args = ap.parse_args(own)
+    if bad := [s for s in args.seeds if s not in SEEDS]:
+        raise SystemExit(f"testbed_v4.py: --seeds {bad} are not study seeds (0-9)")
+    out = args.out.resolve()
+    cache = (out / "cache").resolve()
+    if args.cmd == "report":
+        return report(args.results)
+    if args.cmd == "run":
+        t0 = time.perf_counter()
+        for seed in args.seeds:           # one seed at a time: its records committed as it ends
+            grid.run_jobs(jobs(out, cache, extra, [seed]), args.workers)
+            save(out, args.results, argv)
+        print(f"[v4] done in {(time.perf_counter() - t0) / 60:.1f} min", flush=True)
+    save(out, args.results, argv)
+    return report(args.results)
+
+
+if __name__ == "__main__":
+    main()

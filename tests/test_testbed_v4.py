@@ -1,0 +1,132 @@
+"""experiments/testbed_v4.py (issue 53): each run's flags are the design's (setting, tuned rates
+from "Why MPO lost", the same warm-up for every critic method), records carry the credit quality
+and every turn's critic EV, and the report's numbers are the paired tests of the records."""
+import math
+from pathlib import Path
+
+import pytest
+
+import train_min
+from experiments import grid
+from experiments import testbed_v4 as v4
+from experiments import testbed_why as why
+
+
+def own_flags(job: dict) -> list[str]:
+    argv = job["argv"]
+    i = argv.index("--out_dir")
+    return argv[:i] + argv[i + 2:]
+
+
+def test_the_tuned_rates_are_the_ones_why_mpo_lost_chose_and_b_takes_as():
+    chosen = why.choose(why.load())
+    for v, c in chosen.items():
+        assert v4.TUNED[v] == tuple(c["pair"]), v
+    assert v4.TUNED["mpo_token_is"] == v4.TUNED["mpo"]
+    assert set(v4.TUNED) == set(v4.VARIANTS)
+
+
+def test_every_job_is_its_setting_its_tuned_rates_and_the_shared_warm_up():
+    jobs = v4.jobs(Path("/x"), Path("/c"), [], seeds=[4])
+    assert len(jobs) == len(v4.SETTINGS) * len(v4.VARIANTS) == 24
+    assert [j["meta"]["turns"] for j in jobs[:6]] == [8] * 6        # the longest runs first
+    for job in jobs:
+        m = job["meta"]
+        K, feedback = v4.SETTINGS[m["setting"]]
+        cfg = train_min.parse_config(job["argv"])
+        o = cfg.preset_options
+        assert (o["testbed_turns"], o["testbed_feedback"], o["testbed_turn_len"]) == (K, feedback, 16)
+        assert o["testbed_decisive"] == "every" and o["testbed_key_anywhere"] is True
+        assert o["testbed_full_turns"] is True and cfg.seed == 4
+        policy, critic = v4.TUNED[m["variant"]]
+        assert cfg.lr_policy == policy
+        if m["variant"] == "grpo":
+            assert cfg.critic_only_steps == 0 and cfg.steps == 60 and m["warmup"] == 0
+        else:                        # SAO's own 10 warm-up updates replaced by the shared 30
+            assert cfg.critic_only_steps == 30 and cfg.steps == 90 and m["warmup"] == 30
+            assert cfg.lr_critic == critic and cfg.lr_value_head == critic
+        assert Path(job["out"]).name == f"{m['setting']}-{m['variant']}-s4"
+        assert job["measure_critic"] == (m["variant"] != "grpo")
+    nofb = [j for j in jobs if j["meta"]["setting"] == "v4-K4-nofb"]
+    assert all(own_flags(j)[own_flags(j).index("--testbed_feedback") + 1] == "false"
+               for j in nofb)
+
+
+def test_a_record_keeps_the_credit_quality_of_its_policy_updates_and_every_turns_ev():
+    rows = [{"step": s, "adv/credit_corr": 0.1 if s <= 30 else 0.5,
+             "adv/credit_corr_turn0": 0.4, "adv/credit_corr_turn1": 0.6,
+             **({"adv/credit_corr_turn7": 0.9} if s == 40 else {}),
+             **({"val/reward": s / 100} if s % 5 == 0 else {})} for s in range(1, 91)]
+    marker = {"setting": "v4-K8", "regime": "v4", "variant": "mpo", "seed": 0, "turn_len": 16,
+              "steps": 90, "warmup": 30,
+              "structure": {f"ev_R_turn{k}": k / 8 for k in range(8)} | {"ev_R": 0.4}}
+    r = grid.v2_record(marker, rows)
+    assert r["credit_corr"] == 0.5                        # the warm-up's updates left out
+    assert r["credit_corr_turns"][:2] == [0.4, 0.6] and r["credit_corr_turns"][7] == 0.9
+    assert r["credit_corr_turns"][2] is None and len(r["credit_corr_turns"]) == 8
+    assert list(r["critic"]) == ["ev_R", *[f"ev_R_turn{k}" for k in range(8)]]
+    assert r["critic"]["ev_R_turn7"] == 0.875
+    plain = grid.v2_record({**marker, "warmup": 0},
+                           [{k: x for k, x in row.items() if "credit" not in k} for row in rows])
+    assert "credit_corr" not in plain                     # never logged: no field (v2, v3)
+
+
+def records() -> list[dict]:
+    """A, C and GRPO in two settings over 3 seeds, chosen numbers."""
+    out = []
+    for setting, v, finals, corr in (("v4-K2", "mpo", [0.5, 0.4, 0.6], 0.8),
+                                     ("v4-K2", "mpo_beta0", [0.6, 0.5, 0.6], 0.85),
+                                     ("v4-K2", "grpo", [0.8, 0.8, 0.9], 0.7),
+                                     ("v4-K8", "mpo", [0.5, 0.6, 0.7], 0.6),
+                                     ("v4-K8", "grpo", [0.5, 0.5, 0.6], 0.3)):
+        warmup = 0 if v == "grpo" else 30
+        for seed, f in enumerate(finals):
+            out.append({"setting": setting, "regime": "v4", "variant": v, "seed": seed,
+                        "turn_len": 16, "steps": 60 + warmup, "warmup": warmup, "final": f,
+                        "auc": f / 2, "curve": [[5, f / 4], [30, f / 2], [60, f]],
+                        "ev_curve": None, "credit_corr": corr,
+                        "critic": {} if v == "grpo" else {"ev_R": 0.3, "ev_R_turn0": 0.0,
+                                                          "ev_R_turn1": 0.5},
+                        "wall_s": 60.0, "code": [{"commit": "abc", "diff": None,
+                                                  "cpu": "AMD EPYC (no avx512)"}]})
+    return out
+
+
+def test_paired_comparisons_within_each_setting_with_holm_over_the_section():
+    comps = v4.paired(records())
+    assert len(comps) == 6                    # K2: C, GRPO − A; A, C − GRPO; K8: GRPO − A, A − GRPO
+    by = {(c["setting"], c["row"], c["ref"]): c for c in comps}
+    c = by[("v4-K2", "grpo", "mpo")]          # d = 0.3, 0.4, 0.3
+    assert c["mean"] == pytest.approx(1 / 3) and c["se"] == pytest.approx(0.1 / 3 / math.sqrt(1))
+    assert [x["p_holm"] for x in comps] == pytest.approx(grid.holm([x["p"] for x in comps]))
+    assert by[("v4-K8", "mpo", "grpo")]["mean"] == pytest.approx(0.2 / 3)   # 0, 0.1, 0.1
+
+
+def test_report_writes_tables_and_page_sections(tmp_path, monkeypatch):
+    results = tmp_path / "docs" / "v4" / "results.json"
+    grid.write_results(results, {"command": "test"}, records())
+    page = tmp_path / "testbed.md"
+    page.write_text("a\n<!-- v4-tables:start -->\n<!-- v4-tables:end -->\nb\n")
+    summary = tmp_path / "results.md"
+    summary.write_text("<!-- v4-summary:start -->\n<!-- v4-summary:end -->\n")
+    monkeypatch.setattr(grid, "TESTBED_PAGE", page)
+    monkeypatch.setattr(v4, "SUMMARY_PAGE", summary)
+    monkeypatch.setattr(v4, "ROOT", tmp_path)
+    monkeypatch.setattr(v4, "SEEDS", (0, 1, 2))
+    body = v4.report(results)
+    # cell: A at K2, final 50.0 ± 5.8; at equal samples its 30th update (f / 2)
+    assert "| v4-K2 | A: MPO | 3 | 50.0 ± 5.8 | 25.0 ± 2.9 | 25.0 ± 2.9 | 0.80 ± 0.00 | " \
+           "0.00 / 0.50 | 0.30 ± 0.00 |" in body
+    assert "| v4-K2 | GRPO | 3 | 83.3 ± 3.3 | 41.7 ± 1.7 | 83.3 ± 3.3 | 0.70 ± 0.00 | – |" in body
+    # the K-trend: GRPO − A at K2 +33.3 ± 3.3 (final), at K8 −6.7 ± 3.3 (0, −0.1, −0.1)
+    assert "| v4-K2 | 3 | +33.3 ± 3.3 | +16.7 ± 1.7 | +26.7 ± 3.3 | 0.80 / 0.85 / 0.70 |" in body
+    assert "| v4-K8 | 3 | −6.7 ± 3.3 | −3.3 ± 1.7 | – | 0.60 / – / 0.30 |" in body
+    assert "15 of 72 planned runs (v4-K2: 9, v4-K4: 0, v4-K8: 6, v4-K4-nofb: 0)" in body
+    assert page.read_text() == "a\n<!-- v4-tables:start -->\n" + body + "<!-- v4-tables:end -->\nb\n"
+    assert "| v4-K8 | 3 | −6.7 ± 3.3 |" in summary.read_text()
+    assert (results.parent / "table.md").read_text().endswith(body)
+
+
+def test_bad_seeds_are_refused_in_one_line():
+    with pytest.raises(SystemExit, match=r"--seeds \[12\] are not study seeds"):
+        v4.main(["run", "--seeds", "0", "12"])
