@@ -30,7 +30,7 @@ def test_v2_between_turn_share_range_of_a():
               for L in grid.V2_TURN_LENS]
     text = f"{min(shares):.2f}–{max(shares):.2f}"
     assert text == "0.15–0.27"
-    testbed = page("docs/testbed.md")
+    testbed = page("docs/records/testbed.md")
     assert f"{text} for A against the paper's 0.895" in testbed
     assert f"near the paper's 0.895 (v2: {text})" in testbed
 
@@ -50,7 +50,7 @@ def test_v3_records_with_unsaved_uncommitted_changes():
     at_5d17 = [r for r in v3 if r["turn_len"] == 16 and r["commits"][0].startswith("5d17d8b")]
     assert (len(lost), len(at_5d17)) == (113, 11)
     assert all(r["seed"] == 0 for r in at_5d17)
-    assert f"code `5d17d8b` ({len(at_5d17)} seed-0 records" in page("docs/testbed.md")
+    assert f"code `5d17d8b` ({len(at_5d17)} seed-0 records" in page("docs/records/testbed.md")
     assert f"{len(lost)} of them with uncommitted changes whose diffs were not saved" in \
         page("docs/results.md")
 
@@ -69,7 +69,7 @@ def test_results_top_layers_of_the_frozen_probe():
     top = [L["ev_turn_start_held"] for L in probe["layers"] if L["layer"] >= 24]
     assert f"+{min(top):.2f} to +{max(top):.3f}" == "+0.06 to +0.075"
     assert "the top layers the value head reads +0.06 to +0.075" in page("docs/results.md")
-    assert "give +0.06 to +0.075, as every LoRA critic did" in page("docs/smol.md")
+    assert "give +0.06 to +0.075, as every LoRA critic did" in page("docs/records/smol.md")
 
 
 def test_results_gpu_check_reserved_memory_by_step():
@@ -87,7 +87,7 @@ def test_smol_turn_confirmation_commits_of_seeds_0_and_1():
     s1 = json.loads((base / "mpo_beta0_turn-s1" / "commits.json").read_text())
     assert (s0, s1) == (["cdd142c"], ["da4ce54+uncommitted changes"])
     assert ("seed 0 at commit `cdd142c`, seed 1 at `da4ce54` plus uncommitted changes"
-            in page("docs/smol.md"))
+            in page("docs/records/smol.md"))
 
 
 def test_readme_counts_of_mpo_against_the_critic_based_token_methods():
@@ -151,7 +151,7 @@ def test_why_section_prose_numbers_come_from_its_raw_file():
                      f"(warm-up {diff(wC, G)}, turn critic {diff(tc, G)};",
                      f"falls to A's level ({diff(('dr_grpo', 'grpo'), G)} against GRPO)"):
         assert sentence in summary, sentence
-    text = page("docs/testbed.md")
+    text = page("docs/records/testbed.md")
     for sentence in expected:
         assert sentence in text, sentence
 
@@ -191,14 +191,14 @@ def test_why_tuning_prose_numbers_come_from_its_raw_file():
     assert chosen["mpo"]["pair"] == (3e-3, 1e-2) and chosen["mpo_beta0"]["default"] \
         and chosen["grpo"]["default"] and chosen["sao"]["default"]
     assert chosen["ppo"]["pair"] == (3e-3, 1e-2)
-    assert "C, GRPO and SAO choose the defaults; PPO a critic rate of 1e-2" in page("docs/testbed.md")
+    assert "C, GRPO and SAO choose the defaults; PPO a critic rate of 1e-2" in page("docs/records/testbed.md")
     grid_auc = dict((tuple(p), a) for p, a in chosen["mpo"]["grid"])
     tuned = why.tuned_rows(records)
     comps = {(c["row"], c["ref"]): c for c in why.paired(
         tuned, [("tuned", "mpo"), ("tuned", "grpo")], "final")}
     gap = comps[(("tuned", "grpo"), ("tuned", "mpo"))]
     a = [r for r in tuned if r["variant"] == "mpo"]
-    text = page("docs/testbed.md")
+    text = page("docs/records/testbed.md")
     assert (f"(tuning AUC {100 * grid_auc[(3e-3, 1e-2)]:.1f} against "
             f"{100 * grid_auc[(3e-3, 3e-3)]:.1f} at the default)") in text
     assert (f"Tuned A on seeds 0–9: {grid.mean_se([r['final'] for r in a])} % (AUC "
