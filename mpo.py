@@ -14,9 +14,10 @@ writes token by token. MPO assigns credit at both scales:
   (M8) critic loss          1/2 (V - R)^2, token mean, R = V_rollout + A^MAE or the multi-scale
                             λ-return G_{t,i} = V + A^intra + lam_intra^(L_t - i) lam A^turn_{t+1}
 
-then the baselines ((B1) PPO token GAE and VAPO's variant, (B2) GRPO, (B3) GSPO; SAO, a labelled
-reconstruction from public ports, docs/baselines.md) and Appendix C's critic diagnostics.
-Eq. (20) is the paper's; (M1)-(B3) and § are docs/paper.md's labels.
+then what a reader compares it with ((B1) PPO token GAE, (B2) GRPO, (B3) GSPO's sequence ratio)
+and the check of its premise on your own critic (Appendix C, `turn_value_structure`); below them
+the plumbing and the input checks. VAPO and SAO live in baselines.py, the training diagnostics
+in diagnostics.py. Eq. (20) is the paper's; (M1)-(B3) and § are docs/paper.md's labels.
 
 Symbols: lam = λ (turn GAE), lam_intra = λ_intra (intra-turn trace), beta = β (centred correction),
 delta = δ (TD residual), rho = ρ (ratio), eps = ε (clip), sg = stop-gradient; γ = 1 (the paper's).
@@ -25,7 +26,8 @@ Layout: per-token tensors are (B, T); turn_ids[b, p] = k >= 0 on the tokens of r
 assistant turn (contiguous, numbered 0, 1, 2, ...), -1 elsewhere (prompt, observation, padding);
 values[b, p] is V of the prefix *before* token p, rewards[b, p] the reward right after it.
 float64 stays float64, other dtypes compute in float32; `validate=False` skips the checks (host
-reads; docs/api.md#conventions). One path: `mpo_advantages` composes the functions above it.
+reads; docs/api.md#conventions): the public functions check their input once, and
+`mpo_advantages` composes the steps above it with their checks off (one path, one check).
 
 Usage:
     turn_ids = turn_ids_from_mask(action_mask)                 # (B, T)
@@ -51,198 +53,6 @@ _TARGETS = "{} computes targets (advantages, returns), not a differentiable expr
 _CLAMP = "a finite number > 0 (the clamp of a log-ratio before exp)"
 
 
-# --- Input validation (skipped with validate=False); it never changes a number --------------
-def _check_tensor(name, x, ref=None, dims=2, ref_name="turn_ids") -> None:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if x.dim() != dims:
-        raise ValueError(f"{name} must have {dims} dimensions, got shape {tuple(x.shape)}")
-    if ref is not None and x.shape != ref.shape:
-        raise ValueError(f"{name} has shape {tuple(x.shape)} but {ref_name} has shape "
-                         f"{tuple(ref.shape)}")
-    if ref is not None and x.device != ref.device:
-        raise ValueError(f"{name} is on {x.device} but {ref_name} is on {ref.device}")
-
-
-def _check_float(name: str, x: torch.Tensor, mask: torch.Tensor | None = None) -> None:
-    """x is floating point and finite where mask is True (everywhere if mask is None)."""
-    if not x.is_floating_point():
-        raise TypeError(f"{name} must be a floating-point tensor, got {x.dtype}")
-    bad = ~torch.isfinite(x) if mask is None else ~torch.isfinite(x) & mask
-    if bool(bad.any()):
-        raise ValueError(f"{name} holds NaN or inf at {int(bad.sum())} action position(s)")
-
-
-def _turn_starts(turn_ids: torch.Tensor) -> torch.Tensor:
-    """(B, T) bool: True on the first token of each run of equal non-negative ids (a turn)."""
-    return (turn_ids >= 0) & (turn_ids != F.pad(turn_ids[:, :-1], (1, 0), value=-1))
-
-
-def _spread(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """The sample standard deviation of x[mask] (0 for fewer than 2), with no host sync."""
-    n = torch.count_nonzero(mask).to(x.dtype)
-    d = torch.where(mask, x - torch.where(mask, x, 0).sum() / n.clamp(min=1), 0)
-    return torch.where(n > 1, (d.square().sum() / (n - 1).clamp(min=1)).sqrt(), 0)
-
-
-def _check_turn_ids(turn_ids) -> int:
-    """Check the turn layout (contiguous turns numbered 0, 1, ... per row); return K (0 if none)."""
-    _check_tensor("turn_ids", turn_ids)
-    if turn_ids.dtype.is_floating_point or turn_ids.dtype == torch.bool or turn_ids.is_complex():
-        raise TypeError(f"turn_ids must be an integer tensor (int64), got {turn_ids.dtype}")
-    if turn_ids.numel() == 0:
-        return 0
-    ids = turn_ids.long()
-    if bool((ids < -1).any()):
-        raise ValueError("turn_ids holds values below -1; use -1 for non-action positions")
-    # Valid iff every run of equal ids is numbered by its rank among the row's runs: a turn split
-    # by -1 (two runs, one id), a gap and a wrong order all give a run whose id is not its rank.
-    starts = _turn_starts(ids)                                                # (B, T)
-    rank = torch.cumsum(starts, dim=1) - 1                                    # (B, T) run number
-    bad = (ids >= 0) & (ids != rank)
-    if bool(bad.any()):
-        b = int(bad.any(dim=1).nonzero()[0])          # the first bad row: say what is wrong
-        runs = ids[b][starts[b]].tolist()
-        if len(set(runs)) < len(runs):
-            raise ValueError("turn_ids: a turn is split by non-turn tokens (-1); turns must be "
-                             f"contiguous (row {b} has runs numbered {runs[:8]})")
-        raise ValueError("turn_ids: turns must appear in order 0, 1, 2, ... in each row, without "
-                         f"gaps (row {b} has runs numbered {runs[:8]})")
-    return int(ids.max().clamp(min=-1)) + 1
-
-
-def _check_number(name: str, x, ok, what: str) -> float:
-    """x as a Python float: a Python, numpy or 0-dim torch real number (not a bool)."""
-    if isinstance(x, torch.Tensor):
-        if x.dim() != 0 or x.dtype == torch.bool or x.is_complex():
-            raise TypeError(f"{name} must be a real number or a 0-dim real tensor, got a "
-                            f"{x.dtype} tensor of shape {tuple(x.shape)}")
-        x = x.item()
-    elif isinstance(x, bool) or not isinstance(x, numbers.Real):
-        raise TypeError(f"{name} must be a real number, got {type(x).__name__}")
-    x = float(x)
-    if not ok(x):                                      # NaN fails every comparison
-        raise ValueError(f"{name} must be {what}, got {x!r}")
-    return x
-
-
-def _check_unit(name: str, x) -> float:
-    return _check_number(name, x, lambda v: 0.0 <= v <= 1.0, "a number in [0, 1]")
-
-
-def _check_positive(name: str, x, what: str = "> 0") -> float:
-    return _check_number(name, x, lambda v: 0 < v < math.inf, what)
-
-
-def _check_num_tokens(num_tokens, act: torch.Tensor) -> None:
-    """num_tokens: a whole number >= 1 and >= this batch's own action-token count."""
-    what = "a whole number >= 1: the action-token count of the full batch (None: this batch's)"
-    if isinstance(num_tokens, torch.Tensor):
-        if num_tokens.numel() != 1 or num_tokens.is_complex() or num_tokens.dtype == torch.bool:
-            raise TypeError(f"num_tokens must be {what}, got a tensor of shape "
-                            f"{tuple(num_tokens.shape)}")
-        num_tokens = num_tokens.item()
-    elif isinstance(num_tokens, bool) or not isinstance(num_tokens, numbers.Real):
-        raise TypeError(f"num_tokens must be {what}, got {type(num_tokens).__name__}")
-    if not (math.isfinite(num_tokens) and num_tokens >= 1 and float(num_tokens).is_integer()):
-        raise ValueError(f"num_tokens must be {what}, got {num_tokens!r}")
-    if num_tokens < int(act.sum()):
-        raise ValueError(f"num_tokens={num_tokens!r} is below this batch's own {int(act.sum())} "
-                         "action tokens; pass the count of the whole (accumulated) batch")
-
-
-def _refuse_grad(why: str, **tensors) -> None:
-    """ValueError for a tensor argument that requires grad (checked with validate=False too)."""
-    for name, x in tensors.items():
-        if isinstance(x, torch.Tensor) and x.requires_grad:
-            raise ValueError(f"{name} requires grad, but {why}; pass {name}.detach()")
-
-
-def _validate_rewards_values(rewards, values, turn_ids) -> int:
-    """Check (rewards, values, turn_ids) of the advantage functions; return K."""
-    K = _check_turn_ids(turn_ids)
-    _check_tensor("rewards", rewards, turn_ids)
-    _check_tensor("values", values, turn_ids)
-    act = turn_ids >= 0
-    _check_float("rewards", rewards, act)
-    _check_float("values", values, act)
-    if bool(((rewards != 0) & ~act).any()):
-        raise ValueError("rewards must be 0 off action positions (turn_ids == -1); "
-                         "put a reward on the action token that earned it")
-    return K
-
-
-def _validate_logps(logp, old_logp, turn_ids) -> None:
-    _check_turn_ids(turn_ids)
-    _check_tensor("logp", logp, turn_ids)
-    _check_tensor("old_logp", old_logp, turn_ids)
-    _check_float("logp", logp, turn_ids >= 0)
-    _check_float("old_logp", old_logp, turn_ids >= 0)
-
-
-def _check_adv_turn(adv_turn, turn_ids, K: int) -> None:
-    _check_tensor("adv_turn", adv_turn)
-    if adv_turn.shape[0] != turn_ids.shape[0] or adv_turn.shape[1] < K:
-        raise ValueError(f"adv_turn must have shape ({turn_ids.shape[0]}, >= {K}), "
-                         f"got {tuple(adv_turn.shape)}")
-
-
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
-def _as_float(x) -> float:
-    """A coefficient as a Python float without validation (numpy and 0-dim tensors too)."""
-    return x if isinstance(x, (int, float)) else float(x)
-
-
-# --- The one loop primitive, and moving numbers between tokens and turns ---------------------
-def reverse_scan(b: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
-    """Solve x_i = b_i + a_i * x_{i+1} (x past the end = 0) along the last dimension: every GAE
-    here (b the residual, a the decay from i to i + 1), by recursive doubling in ceil(log2 n)
-    steps (docs/api.md#reverse_scan). Example: b = [1, 1, 1], a = [.5, .5, .5] -> [1.75, 1.5, 1]."""
-    x, a = b.clone(), a.expand_as(b).clone()
-    n, d = b.shape[-1], 1
-    while d < n:
-        x[..., :-d] = x[..., :-d] + a[..., :-d] * x[..., d:]   # the right side reads the old x
-        a[..., :-d] = a[..., :-d] * a[..., d:]
-        d *= 2
-    return x
-
-
-def _num_turns(turn_ids: torch.Tensor) -> int:
-    """K, the most turns of any row (one host read)."""
-    return int(turn_ids.max().clamp(min=-1)) + 1 if turn_ids.numel() else 0
-
-
-def _per_turn_sum(x: torch.Tensor, turn_ids: torch.Tensor, num_turns: int) -> torch.Tensor:
-    """Σ of x over the tokens of each turn: (B, T) -> (B, K). Non-turn positions dropped."""
-    idx = torch.where(turn_ids >= 0, turn_ids, num_turns)                    # -1 -> spare column
-    out = torch.zeros(x.shape[0], num_turns + 1, dtype=x.dtype, device=x.device)
-    return out.scatter_add_(1, idx, x)[:, :num_turns]                        # (B, K)
-
-
-def _gather_turn(x_turn: torch.Tensor, turn_ids: torch.Tensor) -> torch.Tensor:
-    """Broadcast a per-turn tensor (B, K) to the tokens of each turn (B, T); 0 off turns."""
-    idx = torch.where(turn_ids >= 0, turn_ids, x_turn.shape[1])              # -1 -> spare column
-    return torch.gather(F.pad(x_turn, (0, 1)), 1, idx)                       # (B, T)
-
-
-def _next_action_value(v: torch.Tensor, act: torch.Tensor) -> torch.Tensor:
-    """V_next[b, p] = v at the first action position after p in row b, 0 if there is none."""
-    B, T = act.shape
-    pos = torch.arange(T, device=act.device).expand(B, T)
-    idx = torch.where(act, pos, T)                                           # T means "none"
-    first_from = torch.flip(torch.cummin(torch.flip(idx, [1]), dim=1).values, [1])  # first >= p
-    nxt = F.pad(first_from[:, 1:], (0, 1), value=T)                          # first > p
-    return torch.gather(F.pad(v, (0, 1)), 1, nxt)                            # (B, T), 0 past end
-
-
-def _masked(x: torch.Tensor, act: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """x in dtype at action positions, 0 elsewhere (junk off the turns never enters a number)."""
-    return torch.where(act, x.to(dtype), torch.zeros((), dtype=dtype, device=x.device))
-
-
 # --- From a trainer's batch to the paper's quantities ----------------------------------------
 def turn_ids_from_mask(action_mask: torch.Tensor) -> torch.Tensor:
     """Turn ids from a 0/1 action mask: each maximal run of 1s is the next turn, -1 elsewhere.
@@ -262,7 +72,6 @@ def turn_ids_from_mask(action_mask: torch.Tensor) -> torch.Tensor:
     starts = act & ~F.pad(act[:, :-1], (1, 0), value=False)                   # first token of a run
     ids = torch.cumsum(starts.long(), dim=1) - 1                               # (B, T)
     return torch.where(act, ids, torch.full_like(ids, -1))
-
 
 def outcome_rewards(scores: torch.Tensor, turn_ids: torch.Tensor) -> torch.Tensor:
     """Place the outcome reward R(τ) of each row on its last action token (§3: 1{t=T} R(τ)).
@@ -295,10 +104,15 @@ def token_td_residuals(rewards: torch.Tensor, values: torch.Tensor, turn_ids: to
     """
     if validate:
         _validate_rewards_values(rewards, values, turn_ids)
-    dtype, act = _compute_dtype(values), turn_ids >= 0
-    v, r = _masked(values, act, dtype), _masked(rewards, act, dtype)          # (B, T)
-    return _masked(r + _next_action_value(v, act) - v, act, dtype)            # (B, T)
+    return _td(rewards, values, turn_ids >= 0)                                # (B, T)
 
+
+def _td(rewards, values, act: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
+    """δ_p = r_p + γ V_next − V_p on the positions of act (V_next: at the next one), 0 elsewhere;
+    (M1) with γ = 1, and (B1)'s token residuals."""
+    dtype = _compute_dtype(values)
+    v, r = _masked(values, act, dtype), _masked(rewards, act, dtype)          # (B, T)
+    return _masked(r + gamma * _next_action_value(v, act) - v, act, dtype)    # (B, T)
 
 def turn_residual_sums(delta: torch.Tensor, turn_ids: torch.Tensor, num_turns: int | None = None,
                        *, validate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -309,11 +123,7 @@ def turn_residual_sums(delta: torch.Tensor, turn_ids: torch.Tensor, num_turns: i
     read back, one host sync). Returns: delta_turn (B, K), 0 where absent; turn_mask (B, K) bool.
     """
     if validate:
-        K = _check_turn_ids(turn_ids)
-        _check_tensor("delta", delta, turn_ids)
-        _check_float("delta", delta, turn_ids >= 0)
-        if num_turns is not None and num_turns < K:
-            raise ValueError(f"num_turns={num_turns} but turn_ids holds {K} turns")
+        _validate_tokens(turn_ids, num_turns, delta=delta)
     K = _num_turns(turn_ids) if num_turns is None else num_turns
     dtype, act = _compute_dtype(delta), turn_ids >= 0
     delta_turn = _per_turn_sum(_masked(delta, act, dtype), turn_ids, K)       # (B, K)
@@ -331,18 +141,11 @@ def turn_gae(delta_turn: torch.Tensor, turn_mask: torch.Tensor, lam: float,
     Args: delta_turn (B, K); turn_mask (B, K) bool; lam λ in [0, 1]. Returns: adv_turn (B, K).
     """
     if validate:
-        lam = _check_unit("lam", lam)
-        _check_tensor("delta_turn", delta_turn)
-        _check_tensor("turn_mask", turn_mask)
-        if turn_mask.shape != delta_turn.shape or turn_mask.device != delta_turn.device:
-            raise ValueError(f"turn_mask {tuple(turn_mask.shape)} on {turn_mask.device} does not "
-                             f"match delta_turn {tuple(delta_turn.shape)} on {delta_turn.device}")
-        _check_float("delta_turn", delta_turn, turn_mask.bool())
+        lam = _validate_turn_gae(delta_turn, turn_mask, lam)
     mask, dtype = turn_mask.bool(), _compute_dtype(delta_turn)
     d = _masked(delta_turn, mask, dtype)                                      # (B, K)
     decay = _masked(torch.full_like(d, _as_float(lam)), mask, dtype)          # λ between turns
     return _masked(reverse_scan(d, decay), mask, dtype)                       # (B, K)
-
 
 def intra_turn_traces(delta: torch.Tensor, turn_ids: torch.Tensor, lam_intra: float,
                       *, validate: bool = True) -> torch.Tensor:
@@ -353,9 +156,7 @@ def intra_turn_traces(delta: torch.Tensor, turn_ids: torch.Tensor, lam_intra: fl
     """
     if validate:
         lam_intra = _check_unit("lam_intra", lam_intra)
-        _check_turn_ids(turn_ids)
-        _check_tensor("delta", delta, turn_ids)
-        _check_float("delta", delta, turn_ids >= 0)
+        _validate_tokens(turn_ids, delta=delta)
     dtype, act = _compute_dtype(delta), turn_ids >= 0
     d = _masked(delta, act, dtype)                                            # (B, T)
     same_turn = act & (F.pad(turn_ids[:, 1:], (0, 1), value=-1) == turn_ids)  # i + 1 in turn t
@@ -374,11 +175,7 @@ def mae_projection(adv_turn: torch.Tensor, adv_intra: torch.Tensor, turn_ids: to
     Args: adv_turn (B, K); adv_intra (B, T); turn_ids (B, T); beta β >= 0. Returns: (B, T).
     """
     if validate:
-        beta = _check_number("beta", beta, lambda v: 0.0 <= v < math.inf, "a finite number >= 0")
-        K = _check_turn_ids(turn_ids)
-        _check_tensor("adv_intra", adv_intra, turn_ids)
-        _check_adv_turn(adv_turn, turn_ids, K)
-        _check_float("adv_intra", adv_intra, turn_ids >= 0)
+        beta = _validate_mae_projection(adv_turn, adv_intra, turn_ids, beta)
     dtype, act, K = _compute_dtype(adv_intra), turn_ids >= 0, adv_turn.shape[1]
     intra = _masked(adv_intra, act, dtype)                                    # (B, T)
     length = _per_turn_sum(act.to(dtype), turn_ids, K)                        # (B, K) L_t
@@ -399,11 +196,8 @@ def multiscale_lambda_returns(values: torch.Tensor, adv_turn: torch.Tensor,
     """
     if validate:
         lam, lam_intra = _check_unit("lam", lam), _check_unit("lam_intra", lam_intra)
-        K = _check_turn_ids(turn_ids)
-        for name, x in (("values", values), ("adv_intra", adv_intra)):
-            _check_tensor(name, x, turn_ids)
-            _check_float(name, x, turn_ids >= 0)
-        _check_adv_turn(adv_turn, turn_ids, K)
+        _check_adv_turn(adv_turn, turn_ids,
+                        _validate_tokens(turn_ids, values=values, adv_intra=adv_intra))
     dtype, act = _compute_dtype(adv_intra), turn_ids >= 0
     length = _per_turn_sum(act.to(dtype), turn_ids, adv_turn.shape[1])       # (B, K) L_t
     rank = torch.cumsum(act.to(dtype), dim=1)                                 # (B, T) tokens so far
@@ -426,7 +220,6 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> tor
     var = centred.pow(2).sum() / (n - 1).clamp(min=1)
     return centred * torch.rsqrt(var + eps)
 
-
 def mpo_advantages(rewards: torch.Tensor, values: torch.Tensor, turn_ids: torch.Tensor,
                    lam: float = 0.8, lam_intra: float = 0.95, beta: float = 1.0,
                    whiten: bool = True, *, num_turns: int | None = None,
@@ -444,13 +237,9 @@ def mpo_advantages(rewards: torch.Tensor, values: torch.Tensor, turn_ids: torch.
     if critic_target not in CRITIC_TARGETS:
         raise ValueError(f"critic_target must be one of {CRITIC_TARGETS}, got {critic_target!r}")
     _refuse_grad(_TARGETS.format("mpo_advantages"), rewards=rewards, values=values)
-    if validate:
-        lam, lam_intra = _check_unit("lam", lam), _check_unit("lam_intra", lam_intra)
-        beta = _check_number("beta", beta, lambda v: 0.0 <= v < math.inf, "a finite number >= 0")
-        K = _validate_rewards_values(rewards, values, turn_ids)
-        if num_turns is not None and num_turns < K:
-            raise ValueError(f"num_turns={num_turns} but turn_ids holds {K} turns")
-        num_turns = K if num_turns is None else num_turns      # read once, by validation
+    if validate:                # K read once, here; the steps below trust their caller
+        lam, lam_intra, beta, num_turns = _validate_mpo_advantages(
+            rewards, values, turn_ids, lam, lam_intra, beta, num_turns)
     act = turn_ids >= 0
     delta = token_td_residuals(rewards, values, turn_ids, validate=False)            # (M1) (B, T)
     delta_turn, turn_mask = turn_residual_sums(delta, turn_ids, num_turns, validate=False)  # (M2)
@@ -473,7 +262,6 @@ def _own_token_ratio(log_ratio: torch.Tensor, rho: torch.Tensor) -> torch.Tensor
     exp(ℓ_{b,p} − sg(ℓ_{b,p})) (exp(0) = 1): the stop-gradient of (M6) and of GSPO-token."""
     return rho.detach() * torch.exp(log_ratio - log_ratio.detach())
 
-
 def turn_ratio(logp: torch.Tensor, old_logp: torch.Tensor, turn_ids: torch.Tensor,
                *, max_log_ratio: float = 20.0, validate: bool = True) -> torch.Tensor:
     """(M6): the stop-gradient turn ratio (§3), ρ̃_{t,i} = ρ_{t,i} · sg(Π_{j≠i} ρ_{t,j}).
@@ -494,22 +282,6 @@ def turn_ratio(logp: torch.Tensor, old_logp: torch.Tensor, turn_ids: torch.Tenso
     rho_turn = torch.exp(_gather_turn(S, turn_ids).clamp(-max_log_ratio, max_log_ratio))  # (B, T)
     # ρ̃_{t,i} = ρ_{t,i}·sg(Π_{j≠i} ρ_{t,j}) = sg(ρ_t)·exp(ℓ_{t,i} − sg(ℓ_{t,i})), the .detach()s:
     return _own_token_ratio(log_ratio, rho_turn)                              # (B, T)
-
-
-def _validate_policy_loss(logp, old_logp, advantages, turn_ids, clip_eps, clip_eps_high,
-                          dual_clip, num_tokens, max_log_ratio) -> None:
-    _validate_logps(logp, old_logp, turn_ids)
-    _check_tensor("advantages", advantages, turn_ids)
-    _check_float("advantages", advantages, turn_ids >= 0)
-    _check_positive("clip_eps", clip_eps)
-    if clip_eps_high is not None:
-        _check_positive("clip_eps_high", clip_eps_high)
-    if dual_clip is not None:
-        _check_number("dual_clip", dual_clip, lambda v: 1 < v < math.inf, "> 1 (or None)")
-    _check_positive("max_log_ratio", max_log_ratio, _CLAMP)
-    if num_tokens is not None:
-        _check_num_tokens(num_tokens, turn_ids >= 0)
-
 
 def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
                 turn_ids: torch.Tensor, clip_eps: float | None = None, ratio_level: str = "turn",
@@ -581,15 +353,11 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     Args: values, old_values, returns (B, T) float; turn_ids (B, T) int64. Returns: 0-dim loss.
     """
     if validate:
-        _check_turn_ids(turn_ids)
-        act = turn_ids >= 0
-        for name, x in (("values", values), ("old_values", old_values), ("returns", returns)):
-            _check_tensor(name, x, turn_ids)
-            _check_float(name, x, act)
+        _validate_tokens(turn_ids, values=values, old_values=old_values, returns=returns)
         if clip is not None:
             clip = _check_positive("clip", clip, "> 0 or None")
         if num_tokens is not None:
-            _check_num_tokens(num_tokens, act)
+            _check_num_tokens(num_tokens, turn_ids >= 0)
     dtype, act = _compute_dtype(values), turn_ids >= 0
     v, R = _masked(values, act, dtype), _masked(returns, act, dtype)   # junk off the turns
     err = (v - R) ** 2                                                 # never reaches a gradient
@@ -612,9 +380,7 @@ def turn_start_positions(turn_ids: torch.Tensor, num_turns: int | None = None, *
     Returns: positions (B, K) int64 (0 where row b has no turn k) and turn_mask (B, K) bool.
     """
     if validate:
-        K = _check_turn_ids(turn_ids)
-        if num_turns is not None and num_turns < K:
-            raise ValueError(f"num_turns={num_turns} but turn_ids holds {K} turns")
+        _validate_tokens(turn_ids, num_turns)
     K = _num_turns(turn_ids) if num_turns is None else num_turns
     B, T = turn_ids.shape
     starts = _turn_starts(turn_ids)                                           # (B, T)
@@ -624,7 +390,6 @@ def turn_start_positions(turn_ids: torch.Tensor, num_turns: int | None = None, *
     out = out.scatter_(1, idx, torch.where(starts, pos, 0))[:, :K]           # (B, K)
     mask = _per_turn_sum(starts.long(), turn_ids, K) > 0                      # (B, K)
     return out, mask
-
 
 def spread_turn_values(values_turn: torch.Tensor, turn_ids: torch.Tensor, *,
                        validate: bool = True) -> torch.Tensor:
@@ -640,40 +405,17 @@ def spread_turn_values(values_turn: torch.Tensor, turn_ids: torch.Tensor, *,
     "lambda_return" would shrink it by λ_intra^(L_t − 1) at a turn's start).
     """
     if validate:
-        K = _check_turn_ids(turn_ids)
-        _check_tensor("values_turn", values_turn)
-        if values_turn.shape[0] != turn_ids.shape[0] or values_turn.shape[1] < K:
-            raise ValueError(f"values_turn must have shape ({turn_ids.shape[0]}, >= {K}), "
-                             f"got {tuple(values_turn.shape)}")
+        _check_adv_turn(values_turn, turn_ids, _check_turn_ids(turn_ids), "values_turn")
         _check_float("values_turn", values_turn)
     return _gather_turn(values_turn, turn_ids)                               # (B, T)
 
 
-# --- Baselines: (B1) PPO token GAE and VAPO's variant, (B2) GRPO; (B3) GSPO in policy_loss ---
-def _validate_action_mask(rewards, values, action_mask) -> None:
-    turn_ids_from_mask(action_mask)                                            # checks the mask
-    _check_tensor("rewards", rewards, action_mask, ref_name="action_mask")
-    _check_tensor("values", values, action_mask, ref_name="action_mask")
-    act = action_mask.bool()
-    _check_float("rewards", rewards, act)
-    _check_float("values", values, act)
-    if bool(((rewards != 0) & ~act).any()):
-        raise ValueError("rewards must be 0 off action positions (action_mask == 0)")
-
-
-def _masked_token_residuals(rewards, values, act, gamma) -> tuple[torch.Tensor, torch.Tensor]:
-    """δ_p = r_p + γ V_next − V_p on action tokens (observations skipped), and the masked V."""
-    dtype = _compute_dtype(values)
-    v, r = _masked(values, act, dtype), _masked(rewards, act, dtype)          # (B, T)
-    return _masked(r + gamma * _next_action_value(v, act) - v, act, dtype), v
-
-
+# --- What a reader compares MPO with: (B1) PPO token GAE, (B2) GRPO (B3 GSPO: policy_loss) ---
 def _token_trace(delta: torch.Tensor, act: torch.Tensor, decay) -> torch.Tensor:
     """A_p = δ_p + decay · A_next(p) over action tokens; decay a number or a (B, 1) tensor."""
     decay = torch.as_tensor(decay, dtype=delta.dtype, device=delta.device)
     a = torch.where(act, decay, torch.ones((), dtype=delta.dtype, device=delta.device))  # skip obs
     return _masked(reverse_scan(delta, a), act, delta.dtype)                  # (B, T)
-
 
 def token_gae(rewards: torch.Tensor, values: torch.Tensor, action_mask: torch.Tensor,
               lam: float = 0.95, gamma: float = 1.0, whiten: bool = True,
@@ -690,38 +432,12 @@ def token_gae(rewards: torch.Tensor, values: torch.Tensor, action_mask: torch.Te
         lam, gamma = _check_unit("lam", lam), _check_unit("gamma", gamma)
         _validate_action_mask(rewards, values, action_mask)
     act = action_mask.bool()
-    delta, v = _masked_token_residuals(rewards, values, act, gamma)           # (B, T), (B, T)
+    delta = _td(rewards, values, act, gamma)                                  # (B, T)
     adv = _token_trace(delta, act, gamma * lam)                               # (B, T)
-    returns = _masked(v + adv, act, v.dtype)
+    returns = _masked(values.to(adv.dtype) + adv, act, adv.dtype)
     if whiten:
         adv = masked_whiten(adv, act)
     return adv, returns
-
-
-def vapo_advantages(rewards: torch.Tensor, values: torch.Tensor, action_mask: torch.Tensor,
-                    alpha: float = 0.05, critic_lam: float = 1.0, whiten: bool = True,
-                    *, validate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """VAPO (Yue et al., 2025): (B1)'s token GAE with decoupled, length-adaptive λ (γ = 1).
-
-    Policy: λ_b = 1 − 1/(α · l_b), l_b the row's action-token count, clamped to [0, 1]; critic:
-    λ = critic_lam (VAPO: 1.0, the Monte Carlo return); the rest: docs/api.md#vapo_advantages.
-    Args: rewards, values, action_mask as in `token_gae`; alpha α > 0 (VAPO: 0.05); critic_lam
-    in [0, 1]. Returns: advantages (whitened if `whiten`), returns; (B, T), 0 off the mask.
-    """
-    _refuse_grad(_TARGETS.format("vapo_advantages"), rewards=rewards, values=values)
-    if validate:
-        alpha, critic_lam = _check_positive("alpha", alpha), _check_unit("critic_lam", critic_lam)
-        _validate_action_mask(rewards, values, action_mask)
-    act = action_mask.bool()
-    delta, v = _masked_token_residuals(rewards, values, act, 1.0)             # (B, T), (B, T)
-    length = torch.count_nonzero(act, dim=1).unsqueeze(1).to(delta.dtype)    # (B, 1) l_b
-    lam = (1 - 1 / (alpha * length.clamp(min=1))).clamp(0, 1)                  # (B, 1) λ_b
-    adv = _token_trace(delta, act, lam)                                        # (B, T)
-    returns = v + _token_trace(delta, act, critic_lam)                        # (B, T), 0 off
-    if whiten:
-        adv = masked_whiten(adv, act)
-    return adv, returns
-
 
 def grpo_advantages(scores: torch.Tensor, group_ids: torch.Tensor, turn_ids: torch.Tensor,
                     eps: float = 1e-6, scale: bool = True, *,
@@ -733,16 +449,7 @@ def grpo_advantages(scores: torch.Tensor, group_ids: torch.Tensor, turn_ids: tor
     Args: scores (B,) float; group_ids (B,) int; turn_ids (B, T) int64. Returns: (B, T).
     """
     if validate:
-        _check_turn_ids(turn_ids)
-        B = turn_ids.shape[0]
-        for name, x in (("scores", scores), ("group_ids", group_ids)):
-            _check_tensor(name, x, dims=1)
-            if x.shape[0] != B or x.device != turn_ids.device:
-                raise ValueError(f"{name} must have shape ({B},) on {turn_ids.device}, "
-                                 f"got {tuple(x.shape)} on {x.device}")
-        if group_ids.is_floating_point():
-            raise TypeError(f"group_ids must be an integer tensor, got {group_ids.dtype}")
-        _check_float("scores", scores)
+        _validate_grpo(scores, group_ids, turn_ids)
     dtype = _compute_dtype(scores)
     R = scores.to(dtype)
     same = (group_ids[:, None] == group_ids[None, :]).to(dtype)               # (B, B)
@@ -757,110 +464,12 @@ def grpo_advantages(scores: torch.Tensor, group_ids: torch.Tensor, turn_ids: tor
     return _masked(adv[:, None].expand(turn_ids.shape), turn_ids >= 0, dtype)  # (B, T)
 
 
-# --- Baselines: SAO (Hou et al., 2026), a labelled reconstruction, not the authors' code ------
-# No official code: each choice below follows the public ports read for docs/baselines.md
-# (reef recipes/sao, unsloth PR 9309, twinkle PR 269, TorchTrade PR 261) and the paper's abstract.
-def sao_advantages(rewards: torch.Tensor, values: torch.Tensor, action_mask: torch.Tensor,
-                   alpha: float = 1.5, critic_lam: float = 1.0, whiten: bool = True,
-                   *, validate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """SAO's advantages: `vapo_advantages` with α = 1.5, the same estimator (a reconstruction).
-
-    Policy: λ_b = 1 − 1/(α · l_b), l_b the row's action-token count (α = 1.5: λ = 1/3 at l = 1,
-    0.94 at l = 12, so the clamp to [0, 1] never binds); critic: λ = 1, the Monte Carlo return.
-    α = 1.5 and critic λ = 1 as reef and twinkle (docs/baselines.md#sao-here-vs-each-source).
-    Args, returns and errors: `vapo_advantages`'s (its name appears in their messages).
-    """
-    return vapo_advantages(rewards, values, action_mask, alpha, critic_lam, whiten,
-                           validate=validate)
-
-
-def _validate_sao_loss(logp, old_logp, advantages, turn_ids, eps_low, eps_high, num_tokens,
-                       max_log_ratio) -> None:
-    _validate_logps(logp, old_logp, turn_ids)
-    _check_tensor("advantages", advantages, turn_ids)
-    _check_float("advantages", advantages, turn_ids >= 0)
-    _check_number("eps_low", eps_low, lambda v: 0 < v < 1,
-                  "a number in (0, 1), so that the band's lower edge 1 - eps_low is in (0, 1)")
-    _check_positive("eps_high", eps_high, "a finite number > 0")
-    _check_positive("max_log_ratio", max_log_ratio, _CLAMP)
-    if num_tokens is not None:
-        _check_num_tokens(num_tokens, turn_ids >= 0)
-
-
-def sao_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
-                    turn_ids: torch.Tensor, eps_low: float = 0.3, eps_high: float = 5.0,
-                    *, num_tokens: int | torch.Tensor | None = None, max_log_ratio: float = 20.0,
-                    validate: bool = True) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """SAO's strict double-sided token mask: L = −(1/N) Σ f(ρ) A, f(ρ) = ρ in the band, else 0.
-
-    ρ = exp(logp − old_logp) per token, against the policy that sampled the batch (reef, unsloth,
-    twinkle: the rollout log-probs, no proximal policy); the band is open (all four ports),
-    1 − ε_low < ρ < 1 + ε_high, and a token outside it gets no gradient whatever the sign of A
-    (PPO's clip keeps one side per sign). In the band ∂L/∂logp = −ρ A / N, the gradient of the
-    ports' −sg(f(ρ)) A log π; written as ρ A (TorchTrade's form), the loss value is the
-    surrogate's. N counts all action tokens, masked ones too (twinkle, unsloth). Defaults
-    (0.3, 5.0): every port's (their reasoning setting; coding: (0.8, 3.0)). docs/api.md.
-    Args: logp, old_logp, advantages, turn_ids as `policy_loss` (token-level: only turn_ids >= 0
-    is read); eps_low ε_low in (0, 1); eps_high ε_high > 0; num_tokens N; max_log_ratio: the clamp
-    before exp in the statistics. Returns: loss (0-dim), stats (clip_frac: share of masked action
-    tokens; mask_low_frac, mask_high_frac; approx_kl; ratio_mean, ratio_max: of ρ, all tokens).
-    """
-    if validate:
-        _validate_sao_loss(logp, old_logp, advantages, turn_ids, eps_low, eps_high, num_tokens,
-                           max_log_ratio)
-    _refuse_grad("sao_policy_loss differentiates logp only", old_logp=old_logp,
-                 advantages=advantages)
-    dtype, act, m = _compute_dtype(logp), turn_ids >= 0, _as_float(max_log_ratio)
-    log_ratio = _masked(logp.to(dtype) - old_logp.to(dtype), act, dtype)      # (B, T) ℓ = log ρ
-    ell = log_ratio.detach()
-    low = act & (ell <= math.log(1 - _as_float(eps_low)))                     # ρ ≤ 1 − ε_low
-    high = act & (ell >= math.log(1 + _as_float(eps_high)))                   # ρ ≥ 1 + ε_high
-    keep = act & ~low & ~high                                                 # (B, T) in the band
-    # f(ρ) = sg(ρ)·exp(ℓ − sg(ℓ)) in the band: value ρ, derivative ρ in its own logp; 0 outside.
-    rho_in = torch.exp(torch.where(keep, ell, torch.zeros_like(ell)))  # finite: ℓ < log(1 + ε_h)
-    A = _masked(advantages, act, dtype)                                       # (B, T)
-    term = torch.where(keep, -_own_token_ratio(log_ratio, rho_in) * A, torch.zeros_like(A))
-    n_act = torch.count_nonzero(act).clamp(min=1)
-    n = n_act if num_tokens is None else torch.as_tensor(num_tokens, device=logp.device)
-    loss = term.sum() / n
-    with torch.no_grad():
-        rho = _masked(torch.exp(ell.clamp(-m, m)), act, dtype)               # (B, T) ρ, 0 off
-        stats = {"clip_frac": torch.count_nonzero(low | high).to(dtype) / n_act,
-                 "mask_low_frac": torch.count_nonzero(low).to(dtype) / n_act,
-                 "mask_high_frac": torch.count_nonzero(high).to(dtype) / n_act,
-                 "approx_kl": _masked(rho - 1 - ell, act, dtype).sum() / n_act,
-                 "ratio_mean": rho.sum() / n_act,
-                 "ratio_max": rho.amax() if rho.numel() else rho.new_zeros(())}
-    return loss, stats
-
-
-# --- Diagnostics: explained variance, the critic's turn structure (Appendix C; §1, §3, §9) ----
-def explained_variance(values: torch.Tensor, returns: torch.Tensor, turn_ids: torch.Tensor,
-                       *, validate: bool = True) -> torch.Tensor:
-    """1 − Var(R − V) / Var(R) over action tokens: 1 is a perfect critic, 0 no better than a
-    constant; NaN when R is constant or there is no action token. (Boolean indexing: one sync.)"""
-    if validate:
-        _check_turn_ids(turn_ids)
-        for name, x in (("values", values), ("returns", returns)):
-            _check_tensor(name, x, turn_ids)
-            _check_float(name, x, turn_ids >= 0)
-    act, dtype = turn_ids >= 0, _compute_dtype(values)
-    v, R = values.to(dtype)[act], returns.to(dtype)[act]
-    if R.numel() == 0:                                # no action token: undefined
-        return torch.full((), math.nan, dtype=dtype, device=values.device)
-    var_R = R.var(unbiased=False)
-    ev = 1 - (R - v).var(unbiased=False) / var_R
-    eps = max(torch.finfo(x.dtype).eps for x in (values, returns, R) if x.is_floating_point())
-    constant = var_R <= (8 * eps * torch.maximum(R.abs().amax(), v.abs().amax())) ** 2  # rounding
-    return torch.where(constant, torch.full_like(ev, math.nan), ev)     # undefined for constant R
-
-
+# --- MPO's premise on your critic: Appendix C's turn structure (§1, §3, §9) ------------------
 # The paper's Appendix C numbers (§1, §3): 2,048 trajectories over 8 checkpoints, 16,323 turns.
 PAPER_TURN_VALUE_STRUCTURE = {
     "between_share_token_median": 0.895, "between_share_equal_median": 0.902,
     "between_exceeds_within_frac": 0.938, "boundary_share_sq_changes": 0.092,
     "boundary_jump_exceeds_span_frac": 0.224, "n_trajectories": 2048, "n_turns": 16323}
-
 
 def _row_value_structure(v: torch.Tensor, t: torch.Tensor, K: int) -> tuple:
     """One row's Appendix C numbers: v (n,) its values at action tokens, t (n,) their turns."""
@@ -878,7 +487,6 @@ def _row_value_structure(v: torch.Tensor, t: torch.Tensor, K: int) -> tuple:
             between > within, float(dv[crossing].abs().mean()) > float(span),
             float((dv[crossing] ** 2).sum()), float((dv ** 2).sum()))
 
-
 def turn_value_structure(values, turn_ids) -> dict[str, float]:
     """The paper's Appendix C statistics: do the critic's values vary mainly between turns?
 
@@ -892,9 +500,7 @@ def turn_value_structure(values, turn_ids) -> dict[str, float]:
                          "batches")
     rows, n_single, n_constant = [], 0, 0
     for V, ids in (zip(values, turn_ids) if pooled[0] else [(values, turn_ids)]):
-        _check_turn_ids(ids)
-        _check_tensor("values", V, ids)
-        _check_float("values", V, ids >= 0)
+        _validate_tokens(ids, values=V)
         V, ids = V.detach().to("cpu", torch.float64), ids.detach().cpu()
         for b in range(V.shape[0]):
             v, t = V[b][ids[b] >= 0], ids[b][ids[b] >= 0]                     # action tokens only
@@ -920,3 +526,261 @@ def turn_value_structure(values, turn_ids) -> dict[str, float]:
             "boundary_jump_exceeds_span_frac": frac(cols[3]),
             "n_trajectories": len(rows), "n_turns": sum(K for K, _ in rows),
             "n_single_turn": int(n_single), "n_constant": n_constant}
+
+
+# --- Plumbing: the one loop primitive, moving numbers between tokens and turns ---------------
+def reverse_scan(b: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """Solve x_i = b_i + a_i * x_{i+1} (x past the end = 0) along the last dimension: every GAE
+    here (b the residual, a the decay from i to i + 1), by recursive doubling in ceil(log2 n)
+    steps (docs/api.md#reverse_scan). Example: b = [1, 1, 1], a = [.5, .5, .5] -> [1.75, 1.5, 1]."""
+    x, a = b.clone(), a.expand_as(b).clone()
+    n, d = b.shape[-1], 1
+    while d < n:
+        x[..., :-d] = x[..., :-d] + a[..., :-d] * x[..., d:]   # the right side reads the old x
+        a[..., :-d] = a[..., :-d] * a[..., d:]
+        d *= 2
+    return x
+
+def _num_turns(turn_ids: torch.Tensor) -> int:
+    """K, the most turns of any row (one host read)."""
+    return int(turn_ids.max().clamp(min=-1)) + 1 if turn_ids.numel() else 0
+
+def _per_turn_sum(x: torch.Tensor, turn_ids: torch.Tensor, num_turns: int) -> torch.Tensor:
+    """Σ of x over the tokens of each turn: (B, T) -> (B, K). Non-turn positions dropped."""
+    idx = torch.where(turn_ids >= 0, turn_ids, num_turns)                    # -1 -> spare column
+    out = torch.zeros(x.shape[0], num_turns + 1, dtype=x.dtype, device=x.device)
+    return out.scatter_add_(1, idx, x)[:, :num_turns]                        # (B, K)
+
+def _gather_turn(x_turn: torch.Tensor, turn_ids: torch.Tensor) -> torch.Tensor:
+    """Broadcast a per-turn tensor (B, K) to the tokens of each turn (B, T); 0 off turns."""
+    idx = torch.where(turn_ids >= 0, turn_ids, x_turn.shape[1])              # -1 -> spare column
+    return torch.gather(F.pad(x_turn, (0, 1)), 1, idx)                       # (B, T)
+
+def _next_action_value(v: torch.Tensor, act: torch.Tensor) -> torch.Tensor:
+    """V_next[b, p] = v at the first action position after p in row b, 0 if there is none."""
+    B, T = act.shape
+    pos = torch.arange(T, device=act.device).expand(B, T)
+    idx = torch.where(act, pos, T)                                           # T means "none"
+    first_from = torch.flip(torch.cummin(torch.flip(idx, [1]), dim=1).values, [1])  # first >= p
+    nxt = F.pad(first_from[:, 1:], (0, 1), value=T)                          # first > p
+    return torch.gather(F.pad(v, (0, 1)), 1, nxt)                            # (B, T), 0 past end
+
+def _masked(x: torch.Tensor, act: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in dtype at action positions, 0 elsewhere (junk off the turns never enters a number)."""
+    return torch.where(act, x.to(dtype), torch.zeros((), dtype=dtype, device=x.device))
+
+def _turn_starts(turn_ids: torch.Tensor) -> torch.Tensor:
+    """(B, T) bool: True on the first token of each run of equal non-negative ids (a turn)."""
+    return (turn_ids >= 0) & (turn_ids != F.pad(turn_ids[:, :-1], (1, 0), value=-1))
+
+def _spread(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The sample standard deviation of x[mask] (0 for fewer than 2), with no host sync."""
+    n = torch.count_nonzero(mask).to(x.dtype)
+    d = torch.where(mask, x - torch.where(mask, x, 0).sum() / n.clamp(min=1), 0)
+    return torch.where(n > 1, (d.square().sum() / (n - 1).clamp(min=1)).sqrt(), 0)
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+def _as_float(x) -> float:
+    """A coefficient as a Python float without validation (numpy and 0-dim tensors too)."""
+    return x if isinstance(x, (int, float)) else float(x)
+
+
+# --- Input validation at the public entry points (validate=False skips it): no number changes ---
+def _check_tensor(name, x, ref=None, dims=2, ref_name="turn_ids") -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != dims:
+        raise ValueError(f"{name} must have {dims} dimensions, got shape {tuple(x.shape)}")
+    if ref is not None and x.shape != ref.shape:
+        raise ValueError(f"{name} has shape {tuple(x.shape)} but {ref_name} has shape "
+                         f"{tuple(ref.shape)}")
+    if ref is not None and x.device != ref.device:
+        raise ValueError(f"{name} is on {x.device} but {ref_name} is on {ref.device}")
+
+def _check_float(name: str, x: torch.Tensor, mask: torch.Tensor | None = None) -> None:
+    """x is floating point and finite where mask is True (everywhere if mask is None)."""
+    if not x.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got {x.dtype}")
+    bad = ~torch.isfinite(x) if mask is None else ~torch.isfinite(x) & mask
+    if bool(bad.any()):
+        raise ValueError(f"{name} holds NaN or inf at {int(bad.sum())} action position(s)")
+
+def _check_turn_ids(turn_ids) -> int:
+    """Check the turn layout (contiguous turns numbered 0, 1, ... per row); return K (0 if none)."""
+    _check_tensor("turn_ids", turn_ids)
+    if turn_ids.dtype.is_floating_point or turn_ids.dtype == torch.bool or turn_ids.is_complex():
+        raise TypeError(f"turn_ids must be an integer tensor (int64), got {turn_ids.dtype}")
+    if turn_ids.numel() == 0:
+        return 0
+    ids = turn_ids.long()
+    if bool((ids < -1).any()):
+        raise ValueError("turn_ids holds values below -1; use -1 for non-action positions")
+    # Valid iff every run of equal ids is numbered by its rank among the row's runs: a turn split
+    # by -1 (two runs, one id), a gap and a wrong order all give a run whose id is not its rank.
+    starts = _turn_starts(ids)                                                # (B, T)
+    rank = torch.cumsum(starts, dim=1) - 1                                    # (B, T) run number
+    bad = (ids >= 0) & (ids != rank)
+    if bool(bad.any()):
+        b = int(bad.any(dim=1).nonzero()[0])          # the first bad row: say what is wrong
+        runs = ids[b][starts[b]].tolist()
+        if len(set(runs)) < len(runs):
+            raise ValueError("turn_ids: a turn is split by non-turn tokens (-1); turns must be "
+                             f"contiguous (row {b} has runs numbered {runs[:8]})")
+        raise ValueError("turn_ids: turns must appear in order 0, 1, 2, ... in each row, without "
+                         f"gaps (row {b} has runs numbered {runs[:8]})")
+    return int(ids.max().clamp(min=-1)) + 1
+
+def _check_number(name: str, x, ok, what: str) -> float:
+    """x as a Python float: a Python, numpy or 0-dim torch real number (not a bool)."""
+    if isinstance(x, torch.Tensor):
+        if x.dim() != 0 or x.dtype == torch.bool or x.is_complex():
+            raise TypeError(f"{name} must be a real number or a 0-dim real tensor, got a "
+                            f"{x.dtype} tensor of shape {tuple(x.shape)}")
+        x = x.item()
+    elif isinstance(x, bool) or not isinstance(x, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(x).__name__}")
+    x = float(x)
+    if not ok(x):                                      # NaN fails every comparison
+        raise ValueError(f"{name} must be {what}, got {x!r}")
+    return x
+
+def _check_unit(name: str, x) -> float:
+    return _check_number(name, x, lambda v: 0.0 <= v <= 1.0, "a number in [0, 1]")
+
+def _check_positive(name: str, x, what: str = "> 0") -> float:
+    return _check_number(name, x, lambda v: 0 < v < math.inf, what)
+
+def _check_num_tokens(num_tokens, act: torch.Tensor) -> None:
+    """num_tokens: a whole number >= 1 and >= this batch's own action-token count."""
+    what = "a whole number >= 1: the action-token count of the full batch (None: this batch's)"
+    if isinstance(num_tokens, torch.Tensor):
+        if num_tokens.numel() != 1 or num_tokens.is_complex() or num_tokens.dtype == torch.bool:
+            raise TypeError(f"num_tokens must be {what}, got a tensor of shape "
+                            f"{tuple(num_tokens.shape)}")
+        num_tokens = num_tokens.item()
+    elif isinstance(num_tokens, bool) or not isinstance(num_tokens, numbers.Real):
+        raise TypeError(f"num_tokens must be {what}, got {type(num_tokens).__name__}")
+    if not (math.isfinite(num_tokens) and num_tokens >= 1 and float(num_tokens).is_integer()):
+        raise ValueError(f"num_tokens must be {what}, got {num_tokens!r}")
+    if num_tokens < int(act.sum()):
+        raise ValueError(f"num_tokens={num_tokens!r} is below this batch's own {int(act.sum())} "
+                         "action tokens; pass the count of the whole (accumulated) batch")
+
+def _refuse_grad(why: str, **tensors) -> None:
+    """ValueError for a tensor argument that requires grad (checked with validate=False too)."""
+    for name, x in tensors.items():
+        if isinstance(x, torch.Tensor) and x.requires_grad:
+            raise ValueError(f"{name} requires grad, but {why}; pass {name}.detach()")
+
+def _validate_rewards_values(rewards, values, turn_ids) -> int:
+    """Check (rewards, values, turn_ids) of the advantage functions; return K."""
+    K = _check_turn_ids(turn_ids)
+    _check_tensor("rewards", rewards, turn_ids)
+    _check_tensor("values", values, turn_ids)
+    act = turn_ids >= 0
+    _check_float("rewards", rewards, act)
+    _check_float("values", values, act)
+    if bool(((rewards != 0) & ~act).any()):
+        raise ValueError("rewards must be 0 off action positions (turn_ids == -1); "
+                         "put a reward on the action token that earned it")
+    return K
+
+def _validate_logps(logp, old_logp, turn_ids) -> None:
+    _check_turn_ids(turn_ids)
+    _check_tensor("logp", logp, turn_ids)
+    _check_tensor("old_logp", old_logp, turn_ids)
+    _check_float("logp", logp, turn_ids >= 0)
+    _check_float("old_logp", old_logp, turn_ids >= 0)
+
+def _check_adv_turn(adv_turn, turn_ids, K: int, name: str = "adv_turn") -> None:
+    """A per-turn tensor (B, >= K)."""
+    _check_tensor(name, adv_turn)
+    if adv_turn.shape[0] != turn_ids.shape[0] or adv_turn.shape[1] < K:
+        raise ValueError(f"{name} must have shape ({turn_ids.shape[0]}, >= {K}), "
+                         f"got {tuple(adv_turn.shape)}")
+
+def _validate_action_mask(rewards, values, action_mask) -> None:
+    turn_ids_from_mask(action_mask)                                            # checks the mask
+    _check_tensor("rewards", rewards, action_mask, ref_name="action_mask")
+    _check_tensor("values", values, action_mask, ref_name="action_mask")
+    act = action_mask.bool()
+    _check_float("rewards", rewards, act)
+    _check_float("values", values, act)
+    if bool(((rewards != 0) & ~act).any()):
+        raise ValueError("rewards must be 0 off action positions (action_mask == 0)")
+
+
+def _validate_tokens(turn_ids, num_turns: int | None = None, **tensors) -> int:
+    """The turn layout, a bound num_turns on its turn count, and each named (B, T) tensor: its
+    shape and device those of turn_ids, floating point, finite at action positions. Returns K."""
+    K = _check_turn_ids(turn_ids)
+    for name, x in tensors.items():
+        _check_tensor(name, x, turn_ids)
+        _check_float(name, x, turn_ids >= 0)
+    if num_turns is not None and num_turns < K:
+        raise ValueError(f"num_turns={num_turns} but turn_ids holds {K} turns")
+    return K
+
+
+def _validate_turn_gae(delta_turn, turn_mask, lam) -> float:
+    lam = _check_unit("lam", lam)
+    _check_tensor("delta_turn", delta_turn)
+    _check_tensor("turn_mask", turn_mask)
+    if turn_mask.shape != delta_turn.shape or turn_mask.device != delta_turn.device:
+        raise ValueError(f"turn_mask {tuple(turn_mask.shape)} on {turn_mask.device} does not "
+                         f"match delta_turn {tuple(delta_turn.shape)} on {delta_turn.device}")
+    _check_float("delta_turn", delta_turn, turn_mask.bool())
+    return lam
+
+
+def _check_beta(beta) -> float:
+    return _check_number("beta", beta, lambda v: 0.0 <= v < math.inf, "a finite number >= 0")
+
+
+def _validate_mae_projection(adv_turn, adv_intra, turn_ids, beta) -> float:
+    beta = _check_beta(beta)
+    K = _check_turn_ids(turn_ids)
+    _check_tensor("adv_intra", adv_intra, turn_ids)
+    _check_adv_turn(adv_turn, turn_ids, K)
+    _check_float("adv_intra", adv_intra, turn_ids >= 0)
+    return beta
+
+
+def _validate_mpo_advantages(rewards, values, turn_ids, lam, lam_intra, beta, num_turns):
+    """The checked (lam, lam_intra, beta) and num_turns (K when None)."""
+    lam, lam_intra = _check_unit("lam", lam), _check_unit("lam_intra", lam_intra)
+    beta = _check_beta(beta)
+    K = _validate_rewards_values(rewards, values, turn_ids)
+    if num_turns is not None and num_turns < K:
+        raise ValueError(f"num_turns={num_turns} but turn_ids holds {K} turns")
+    return lam, lam_intra, beta, K if num_turns is None else num_turns
+
+
+def _validate_grpo(scores, group_ids, turn_ids) -> None:
+    _check_turn_ids(turn_ids)
+    B = turn_ids.shape[0]
+    for name, x in (("scores", scores), ("group_ids", group_ids)):
+        _check_tensor(name, x, dims=1)
+        if x.shape[0] != B or x.device != turn_ids.device:
+            raise ValueError(f"{name} must have shape ({B},) on {turn_ids.device}, "
+                             f"got {tuple(x.shape)} on {x.device}")
+    if group_ids.is_floating_point():
+        raise TypeError(f"group_ids must be an integer tensor, got {group_ids.dtype}")
+    _check_float("scores", scores)
+
+
+def _validate_policy_loss(logp, old_logp, advantages, turn_ids, clip_eps, clip_eps_high,
+                          dual_clip, num_tokens, max_log_ratio) -> None:
+    _validate_logps(logp, old_logp, turn_ids)
+    _check_tensor("advantages", advantages, turn_ids)
+    _check_float("advantages", advantages, turn_ids >= 0)
+    _check_positive("clip_eps", clip_eps)
+    if clip_eps_high is not None:
+        _check_positive("clip_eps_high", clip_eps_high)
+    if dual_clip is not None:
+        _check_number("dual_clip", dual_clip, lambda v: 1 < v < math.inf, "> 1 (or None)")
+    _check_positive("max_log_ratio", max_log_ratio, _CLAMP)
+    if num_tokens is not None:
+        _check_num_tokens(num_tokens, turn_ids >= 0)

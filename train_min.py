@@ -42,12 +42,14 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
+import baselines
 import mpo
 import presets
+from diagnostics import critic_gates
 from search_env import Suite, search_suite
 # run_utils: the plumbing; some names only re-exported (tests and experiments use train_min.X)
 from run_utils import (LOGPROB_CHUNK, LORA_TARGETS, ConfigError, MetricsLog, RunLock,
-                       StopFlag, TurnValueHead, check_out_dir, chunk_logprobs, critic_gates,
+                       StopFlag, TurnValueHead, check_out_dir, chunk_logprobs,
                        decoder_layers, episode_stats, eval_config, eval_only, first_adapted_layer,
                        free_cached, get_peft_model, load_base_model, load_tokenizer, log_line,
                        micro_batches, observation_ids, parse_with_presets, phase_timer,
@@ -523,9 +525,9 @@ def compute_advantages(batch, cfg: Config) -> None:
                                       critic_target="mae" if cfg.critic == "turn" else
                                       cfg.critic_target)
     elif cfg.variant == "vapo":                     # VAPO: critic λ = 1, policy λ length-adaptive
-        adv, ret = mpo.vapo_advantages(rewards, values, turn_ids >= 0, alpha=cfg.vapo_alpha)
+        adv, ret = baselines.vapo_advantages(rewards, values, turn_ids >= 0, alpha=cfg.vapo_alpha)
     elif cfg.variant == "sao":                      # SAO: VAPO's estimator at α = 1.5
-        adv, ret = mpo.sao_advantages(rewards, values, turn_ids >= 0, alpha=cfg.sao_alpha)
+        adv, ret = baselines.sao_advantages(rewards, values, turn_ids >= 0, alpha=cfg.sao_alpha)
     elif cfg.variant == "ppo":                                       # token GAE baseline
         adv, ret = mpo.token_gae(rewards, values, turn_ids >= 0, lam=cfg.ppo_lam)
     else:                                                            # GRPO / GSPO
@@ -558,8 +560,9 @@ def policy_backward(model, batch, micro, n_tok, clip: tuple[float, float], cfg: 
     logp, entropy = token_logprobs(model, ids, attn, tid >= 0, cfg.temperature, h)
     old_logp, adv = batch["old_logp"][micro, :width], batch["advantages"][micro, :width]
     if cfg.variant == "sao":              # a token outside SAO's band gets no gradient
-        loss_pi, stats = mpo.sao_policy_loss(logp, old_logp, adv, tid, cfg.sao_eps_low,
-                                             cfg.sao_eps_high, num_tokens=n_tok, validate=False)
+        loss_pi, stats = baselines.sao_policy_loss(logp, old_logp, adv, tid, cfg.sao_eps_low,
+                                                   cfg.sao_eps_high, num_tokens=n_tok,
+                                                   validate=False)
     else:
         loss_pi, stats = mpo.policy_loss(                                    # MPO: turn ratio
             logp, old_logp, adv, tid, clip_eps=clip[0], ratio_level=ratio_level(cfg),

@@ -36,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+import diagnostics  # noqa: E402
 import mpo  # noqa: E402
 import run_utils  # noqa: E402
 import train_min as tm  # noqa: E402
@@ -117,7 +118,7 @@ def main(argv=None) -> str:
             pooled.append(v)
             saved[f"{run} {ckpt.name}"] = v
             lines.append(row(f"{run} {ckpt.name}", mpo.turn_value_structure(v, tid),
-                             float(mpo.explained_variance(v, outcome, tid))))
+                             float(diagnostics.explained_variance(v, outcome, tid))))
         if len(pooled) > 1:
             s = mpo.turn_value_structure(pooled, [tid] * len(pooled))
             lines.append(row(f"{run}, {len(pooled)} checkpoints pooled", s))
@@ -128,7 +129,7 @@ def main(argv=None) -> str:
         v = values_of(model, value_head, batch, cfg0)
         saved["fresh"] = v
         lines.append(row("fresh critic (base model, random head)", mpo.turn_value_structure(v, tid),
-                         float(mpo.explained_variance(v, outcome, tid))))
+                         float(diagnostics.explained_variance(v, outcome, tid))))
     lines.append(row("paper (Appendix C)", mpo.PAPER_TURN_VALUE_STRUCTURE))
     if args.save is not None:
         torch.save({"ids": batch["ids"], "attn": batch["attn"], "turn_ids": tid,

@@ -25,6 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+import diagnostics  # noqa: E402
 import mpo  # noqa: E402
 
 HEADER = ("| critic | turns | EV, turn starts | r² (best rescaling) | slope of R on V | sd V / sd R "
@@ -44,7 +45,7 @@ def turn_start_stats(values: torch.Tensor, turn_ids: torch.Tensor, scores: torch
             "slope": float(cov / var_v) if var_v > 0 else float("nan"),
             "sd_v": float(var_v.sqrt()), "sd_R": float(var_R.sqrt()),
             "mean_v": float(v.mean()), "mean_R": float(R.mean()),
-            "ev_tokens": float(mpo.explained_variance(values, outcome, turn_ids))}
+            "ev_tokens": float(diagnostics.explained_variance(values, outcome, turn_ids))}
 
 
 def main(argv=None) -> str:

@@ -348,13 +348,13 @@ def critic_vs_outcome(values, scores, turn_ids, tokens_per_turn: int = 1) -> dic
     --testbed_decisive first, R is settled once turn 0 is written, so a critic that reads the
     decision has ev_R_later_turns near 1."""
     import torch
-    import mpo
+    import diagnostics
     R = scores[:, None].expand_as(values)                                      # (B, T)
     later = turn_ids.masked_fill(turn_ids < tokens_per_turn, -1)               # (B, T)
     logical = torch.where(turn_ids >= 0, turn_ids // tokens_per_turn, -1)     # (B, T)
     per_turn = {f"ev_R_turn{k}": logical.masked_fill(logical != k, -1)
                 for k in range(int(logical.max()) + 1)}
-    return {name: float(mpo.explained_variance(values, R, ids, validate=False))
+    return {name: float(diagnostics.explained_variance(values, R, ids, validate=False))
             for name, ids in (("ev_R", turn_ids), ("ev_R_later_turns", later),
                               *per_turn.items())}
 

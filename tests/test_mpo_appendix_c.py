@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import diagnostics
 import mpo
 from helpers import run_main
 
@@ -97,6 +98,6 @@ def test_appendix_c_scores_a_turn_critic_and_refuses_to_draw_a_fresh_one(runs):
     assert name.startswith(str(runs / "turn")) and v.shape == tid.shape == saved["ids"].shape
     assert len(v) == int(cells[6])
     outcome = torch.where(tid >= 0, saved["scores"][:, None].float(), 0.0)
-    assert float(mpo.explained_variance(v, outcome, tid)) == pytest.approx(float(cells[8]), abs=5e-4)
+    assert float(diagnostics.explained_variance(v, outcome, tid)) == pytest.approx(float(cells[8]), abs=5e-4)
     with pytest.raises(SystemExit, match="--fresh"):
         appendix_c.main([str(runs / "turn"), "--episodes", "1", "--fresh"])

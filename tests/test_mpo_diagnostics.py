@@ -12,6 +12,7 @@ import pytest
 import torch
 from hypothesis import given
 
+import diagnostics
 import mpo
 import reference as ref
 from conftest import batches
@@ -188,10 +189,10 @@ def test_explained_variance_by_hand():
     returns = torch.tensor([[1.0, 50.0, 2.0, 3.0, -9.0]], dtype=F64)
     values = torch.tensor([[1.0, -50.0, 2.0, 4.0, 9.0]], dtype=F64)
     # R − V = [0, 0, −1]: Var = 2/9; Var R = 2/3 -> 1 − 1/3
-    assert abs(float(mpo.explained_variance(values, returns, turn_ids)) - 2 / 3) <= 1e-12
-    assert abs(float(mpo.explained_variance(returns, returns, turn_ids)) - 1.0) <= 1e-12
+    assert abs(float(diagnostics.explained_variance(values, returns, turn_ids)) - 2 / 3) <= 1e-12
+    assert abs(float(diagnostics.explained_variance(returns, returns, turn_ids)) - 1.0) <= 1e-12
     const = torch.full_like(values, 0.7)
-    assert abs(float(mpo.explained_variance(const, returns, turn_ids)) - 0.0) <= 1e-12
+    assert abs(float(diagnostics.explained_variance(const, returns, turn_ids)) - 0.0) <= 1e-12
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
@@ -201,12 +202,12 @@ def test_explained_variance_is_nan_for_constant_returns_up_to_rounding(dtype):
     tid = torch.zeros(1, 997, dtype=torch.long)
     R = torch.full((1, 997), 1 / 3, dtype=dtype)
     V = torch.linspace(0, 1, 997, dtype=dtype)[None]
-    assert math.isnan(float(mpo.explained_variance(V, R, tid)))
+    assert math.isnan(float(diagnostics.explained_variance(V, R, tid)))
     zero = ((V + 1 / 3) - 1 / 3) - V                # an all-zero return, with rounding noise
     assert float(zero.abs().amax()) > 0
-    assert math.isnan(float(mpo.explained_variance(V, zero, tid)))
+    assert math.isnan(float(diagnostics.explained_variance(V, zero, tid)))
     R[0, :100] = 1.0                                # a tenth of the tokens differ: a spread
-    ev = float(mpo.explained_variance(V, R, tid))
+    ev = float(diagnostics.explained_variance(V, R, tid))
     assert math.isfinite(ev) and ev < 0
 
 
@@ -216,7 +217,7 @@ def test_explained_variance_matches_loop_reference(b):
     returns = b.values + 0.5 * torch.randn(b.values.shape, generator=g, dtype=F64)
     if int((b.turn_ids >= 0).sum()) < 2:
         return
-    ev = mpo.explained_variance(b.values, returns, b.turn_ids)
+    ev = diagnostics.explained_variance(b.values, returns, b.turn_ids)
     assert ev.dim() == 0 and ev.dtype == F64
     e = ref.explained_variance(b.values, returns, b.turn_ids)
     assert math.isclose(float(ev), e, abs_tol=1e-10), (float(ev), e)

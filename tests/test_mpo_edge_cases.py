@@ -18,6 +18,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+import diagnostics
 import mpo
 import reference as ref
 from conftest import batches
@@ -58,7 +59,7 @@ def test_policy_and_value_loss_of_a_batch_without_action_tokens_are_zero(B, T, l
     assert {k: float(s) for k, s in stats.items()} == dict.fromkeys(stats, 0.0)
     assert mpo.value_loss(z, z, z + 1, tid, clip=0.2).item() == 0.0
     assert mpo.turn_ratio(z, z, tid).shape == (B, T)
-    assert math.isnan(float(mpo.explained_variance(z, z, tid)))
+    assert math.isnan(float(diagnostics.explained_variance(z, z, tid)))
     assert mpo.outcome_rewards(torch.ones(B, dtype=F64), tid).shape == (B, T)
     assert mpo.turn_value_structure(z, tid)["n_trajectories"] == 0
 

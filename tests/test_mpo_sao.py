@@ -13,6 +13,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+import baselines
 import mpo
 from conftest import close, batches, insert_minus_one_positions, gather_actions
 
@@ -44,7 +45,7 @@ def loop_sao_loss(logp, old_logp, advantages, turn_ids, eps_low, eps_high, num_t
 
 def run(logp, old_logp, adv, turn_ids, *args, **kw):
     lp = logp.clone().requires_grad_(True)
-    loss, stats = mpo.sao_policy_loss(lp, old_logp, adv, turn_ids, *args, **kw)
+    loss, stats = baselines.sao_policy_loss(lp, old_logp, adv, turn_ids, *args, **kw)
     loss.backward()
     return loss, lp.grad, stats
 
@@ -195,7 +196,7 @@ def test_sao_extreme_log_ratios_give_finite_loss_and_zero_gradient():
 
 
 def test_sao_empty_batch_is_zero():
-    loss, stats = mpo.sao_policy_loss(torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(2, 3),
+    loss, stats = baselines.sao_policy_loss(torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(2, 3),
                                       torch.full((2, 3), -1))
     assert float(loss) == 0.0 and all(float(v) == 0.0 for v in stats.values())
 
@@ -208,7 +209,7 @@ def test_sao_advantages_hand_values_of_the_length_adaptive_lambda():
     mask = torch.tensor([[1, 1, 0, 1], [1, 1, 0, 0]])
     values = torch.tensor([[0.5, 0.5, 42.0, 0.5], [0.0, 0.0, -7.0, 9.0]], dtype=torch.float64)
     rewards = torch.tensor([[0.0, 0.0, 0.0, 1.0], [0.0, 1.0, 0.0, 0.0]], dtype=torch.float64)
-    adv, ret = mpo.sao_advantages(rewards, values, mask, whiten=False)
+    adv, ret = baselines.sao_advantages(rewards, values, mask, whiten=False)
     close(adv, [[49 / 162, 7 / 18, 0.0, 0.5], [2 / 3, 1.0, 0.0, 0.0]])
     close(ret, [[1.0, 1.0, 0.0, 1.0], [1.0, 1.0, 0.0, 0.0]])
 
@@ -216,8 +217,8 @@ def test_sao_advantages_hand_values_of_the_length_adaptive_lambda():
 @given(batches(max_turn_len=30), st.booleans())
 def test_sao_advantages_are_vapo_advantages_with_alpha_1_5(b, whiten):
     act = b.turn_ids >= 0
-    adv, ret = mpo.sao_advantages(b.rewards, b.values, act, whiten=whiten)
-    e_adv, e_ret = mpo.vapo_advantages(b.rewards, b.values, act, alpha=1.5, critic_lam=1.0,
+    adv, ret = baselines.sao_advantages(b.rewards, b.values, act, whiten=whiten)
+    e_adv, e_ret = baselines.vapo_advantages(b.rewards, b.values, act, alpha=1.5, critic_lam=1.0,
                                        whiten=whiten)
     assert torch.equal(adv, e_adv) and torch.equal(ret, e_ret)
 
@@ -245,30 +246,30 @@ def _inputs():
 ])
 def test_sao_loss_bad_coefficients_raise_naming_the_argument(kw, err, match):
     with pytest.raises(err, match=match):
-        mpo.sao_policy_loss(*_inputs(), **kw)
+        baselines.sao_policy_loss(*_inputs(), **kw)
 
 
 def test_sao_loss_bad_tensors_raise_naming_the_argument():
     logp, old, adv, tid = _inputs()
     with pytest.raises(ValueError, match="advantages has shape \\(1, 3\\)"):
-        mpo.sao_policy_loss(logp, old, adv[:, :3], tid)
+        baselines.sao_policy_loss(logp, old, adv[:, :3], tid)
     with pytest.raises(TypeError, match="logp must be a floating-point tensor"):
-        mpo.sao_policy_loss(logp.long(), old, adv, tid)
+        baselines.sao_policy_loss(logp.long(), old, adv, tid)
     with pytest.raises(TypeError, match="turn_ids must be an integer tensor"):
-        mpo.sao_policy_loss(logp, old, adv, tid.float())
+        baselines.sao_policy_loss(logp, old, adv, tid.float())
     with pytest.raises(ValueError, match="old_logp holds NaN or inf"):
-        mpo.sao_policy_loss(logp, torch.tensor([[0.0, float("nan"), 0.0, 0.0]]), adv, tid)
+        baselines.sao_policy_loss(logp, torch.tensor([[0.0, float("nan"), 0.0, 0.0]]), adv, tid)
     with pytest.raises(ValueError, match="old_logp requires grad"):
-        mpo.sao_policy_loss(logp, old.requires_grad_(True), adv, tid, validate=False)
+        baselines.sao_policy_loss(logp, old.requires_grad_(True), adv, tid, validate=False)
     with pytest.raises(ValueError, match="advantages requires grad"):
-        mpo.sao_policy_loss(logp, torch.zeros(1, 4), adv.requires_grad_(True), tid)
+        baselines.sao_policy_loss(logp, torch.zeros(1, 4), adv.requires_grad_(True), tid)
 
 
 def test_sao_advantages_bad_input_raises_naming_the_argument():
     mask = torch.tensor([[1, 1, 0]])
     with pytest.raises(ValueError, match="alpha must be > 0"):
-        mpo.sao_advantages(torch.zeros(1, 3), torch.zeros(1, 3), mask, alpha=0.0)
+        baselines.sao_advantages(torch.zeros(1, 3), torch.zeros(1, 3), mask, alpha=0.0)
     with pytest.raises(ValueError, match="critic_lam must be a number in \\[0, 1\\]"):
-        mpo.sao_advantages(torch.zeros(1, 3), torch.zeros(1, 3), mask, critic_lam=1.5)
+        baselines.sao_advantages(torch.zeros(1, 3), torch.zeros(1, 3), mask, critic_lam=1.5)
     with pytest.raises(ValueError, match="rewards must be 0 off action positions"):
-        mpo.sao_advantages(torch.tensor([[0.0, 0.0, 1.0]]), torch.zeros(1, 3), mask)
+        baselines.sao_advantages(torch.tensor([[0.0, 0.0, 1.0]]), torch.zeros(1, 3), mask)

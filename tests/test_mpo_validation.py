@@ -10,6 +10,8 @@ import math
 import pytest
 import torch
 
+import baselines
+import diagnostics
 import mpo
 import reference as ref
 from conftest import Layout, RowLayout, make_batch
@@ -80,7 +82,7 @@ def _cases():
           ("scores shape", lambda: mpo.outcome_rewards(torch.ones(4, dtype=F64), TID), "scores"),
           ("group_ids shape", lambda: mpo.grpo_advantages(scores, torch.tensor([0, 0]), TID), "group_ids"),
           ("token_gae mask shape", lambda: mpo.token_gae(r, v, wide(ACT)), "action_mask"),
-          ("explained_variance returns", lambda: mpo.explained_variance(v, wide(v), TID), "returns"),
+          ("explained_variance returns", lambda: diagnostics.explained_variance(v, wide(v), TID), "returns"),
           ("turn_value_structure values", lambda: mpo.turn_value_structure(wide(v), TID), "values")]
     # -- device mismatch ('meta' tensors stand in for a second device on a CPU-only machine)
     c += [("values on meta", lambda: mpo.token_td_residuals(r, v.to("meta"), TID), "values"),
@@ -249,9 +251,10 @@ def test_estimators_refuse_inputs_that_require_grad(fn, arg, validate):
     inputs = {"rewards": rewards, "values": values}
     inputs[arg] = inputs[arg].clone().requires_grad_(True)
     third = TID if fn == "mpo_advantages" else TID >= 0
+    home = baselines if fn == "vapo_advantages" else mpo
     with pytest.raises(ValueError, match=rf"^{arg} requires grad, but {fn} computes targets.*"
                                          rf"pass {arg}\.detach\(\)$"):
-        getattr(mpo, fn)(inputs["rewards"], inputs["values"], third, validate=validate)
-    adv, ret = getattr(mpo, fn)(rewards, inputs["values"].detach() if arg == "values" else values,
+        getattr(home, fn)(inputs["rewards"], inputs["values"], third, validate=validate)
+    adv, ret = getattr(home, fn)(rewards, inputs["values"].detach() if arg == "values" else values,
                                 third, validate=validate)              # detached: fine
     assert adv.shape == TID.shape and not adv.requires_grad

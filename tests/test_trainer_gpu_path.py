@@ -505,16 +505,16 @@ def test_sao_update_uses_the_masked_loss_and_sao_advantages(loaded, tiny_path, b
     train_min.compute_advantages(batch, cfg)
     act = batch["turn_ids"] >= 0
     rewards = train_min.mpo.outcome_rewards(batch["scores"], batch["turn_ids"])
-    adv, ret = train_min.mpo.vapo_advantages(rewards, batch["values"], act, alpha=1.5)
+    adv, ret = train_min.baselines.vapo_advantages(rewards, batch["values"], act, alpha=1.5)
     assert torch.equal(batch["advantages"], adv) and torch.equal(batch["returns"], ret)
     calls = []
-    real = train_min.mpo.sao_policy_loss
+    real = train_min.baselines.sao_policy_loss
 
     def recording(*args, **kw):
         calls.append(args[4:6])
         return real(*args, **kw)
 
-    monkeypatch.setattr(train_min.mpo, "sao_policy_loss", recording)
+    monkeypatch.setattr(train_min.baselines, "sao_policy_loss", recording)
     monkeypatch.setattr(train_min.mpo, "policy_loss", None)          # must not be used
     before = weights(model, "policy")
     opt = train_min.make_optimizer(model, value_head, cfg)
