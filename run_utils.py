@@ -93,11 +93,11 @@ def parse_with_presets(config_cls, presets: dict, argv=None):
             setattr(cfg, k, v)
     if cfg.max_turns == 0:              # the default: the hops' searches, then the answer
         cfg.max_turns = cfg.max_hops + 1
-    if cfg.variant in ("grpo", "gspo"):   # no critic to warm up (a preset's default: ignored)
+    if not cfg.uses_critic:             # no critic to warm up (a preset's default: ignored)
         cfg.critic_warmup_steps = 0
-    if cfg.variant == "sao":            # SAO's own defaults (docs/baselines.md), unless given
+    if cfg.spec.advantages == "sao":    # SAO's own defaults (docs/baselines.md), unless given
         sao_defaults(cfg, given)
-    vapo_default = cfg.variant == "vapo" and "vapo_value_steps" not in given
+    vapo_default = cfg.spec.advantages == "vapo" and "vapo_value_steps" not in given
     if vapo_default and cfg.vapo_value_steps >= cfg.steps:
         cfg.vapo_value_steps = cfg.steps // 2     # VAPO's default 50 would leave no policy update
     check_config(cfg)                   # the preset's values are checked like the user's
@@ -162,13 +162,13 @@ def check_config(cfg) -> None:
         raise ConfigError(f"--minibatches {cfg.minibatches} exceeds the {episodes} episodes of a "
                           "step (questions_per_step x n_rollouts): some minibatches would be "
                           "empty; lower --minibatches")
-    if cfg.variant in ("grpo", "gspo") and cfg.n_rollouts < 2:
+    if cfg.spec.advantages == "grpo" and cfg.n_rollouts < 2:
         raise ConfigError(f"--variant {cfg.variant} needs --n_rollouts >= 2: the group-relative "
                           "advantages of a group of one episode are all zero")
-    if not getattr(cfg, "grpo_scale", True) and cfg.variant not in ("grpo", "gspo"):
+    if not getattr(cfg, "grpo_scale", True) and cfg.spec.advantages != "grpo":
         raise ConfigError(f"--grpo_scale false changes GRPO's group advantages; --variant "
                           f"{cfg.variant} has none: drop the flag or use --variant grpo")
-    if cfg.variant == "vapo" and cfg.vapo_value_steps >= cfg.steps and not cfg.eval_only:
+    if cfg.spec.advantages == "vapo" and cfg.vapo_value_steps >= cfg.steps and not cfg.eval_only:
         # (a default above the run is halved in parse_with_presets; a given one is refused)
         raise ConfigError(f"--vapo_value_steps {cfg.vapo_value_steps} leaves no policy update in "
                           f"--steps {cfg.steps} (the first {cfg.vapo_value_steps} train the "
@@ -179,7 +179,7 @@ def check_config(cfg) -> None:
     if cfg.critic == "turn" and not cfg.uses_critic:
         raise ConfigError(f"--critic turn: --variant {cfg.variant} has no critic; use "
                           "--variant mpo_beta0 (MPO with β = 0)")
-    if cfg.critic == "turn" and cfg.variant not in ("mpo", "mpo_token_is", "mpo_beta0"):
+    if cfg.critic == "turn" and cfg.spec.advantages != "mpo":
         raise ConfigError(f"--critic turn gives values at turn starts only; --variant "
                           f"{cfg.variant}'s token GAE needs one at every token: use --critic "
                           "token, or --variant mpo_beta0 (MPO with β = 0)")

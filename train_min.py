@@ -63,7 +63,28 @@ from run_utils import (SampledVocab, Turn, TurnEnd, TurnRecorder, check_generati
                        generation_config, rows_per_generate, sampled_turn, sampled_vocab,
                        split_reasoning, thinking_mode, turn_budget)
 
-VARIANTS = ("mpo", "mpo_token_is", "mpo_beta0", "ppo", "grpo", "gspo", "vapo", "sao")
+
+
+# --- The variants: one row each; the trainer reads this table, never a variant's name ---------
+@dataclass(frozen=True)
+class Variant:
+    advantages: str            # "mpo" (Eq. 20), "token_gae" (B1), "vapo", "sao", "grpo" (B2)
+    ratio_level: str           # mpo.policy_loss's ρ: "turn" (M6), "token", "sequence" (B3, GSPO)
+    critic: bool = True        # a learned critic (False: the group's mean is the baseline)
+    loss: str = "clip"         # "clip" (M7), or "sao": baselines.sao_policy_loss's token mask
+    beta: float | None = None  # a β the variant fixes (None: --beta)
+
+
+VARIANTS = {                                       # §10's settings A, B, C, then the baselines
+    "mpo": Variant("mpo", "turn"),                 # A: MPO
+    "mpo_token_is": Variant("mpo", "token"),       # B: MPO with token-level IS
+    "mpo_beta0": Variant("mpo", "turn", beta=0.0),  # C: β = 0, turn GAE only
+    "ppo": Variant("token_gae", "token"),
+    "grpo": Variant("grpo", "token", critic=False),
+    "gspo": Variant("grpo", "sequence", critic=False),
+    "vapo": Variant("vapo", "token"),              # + value pretraining (--vapo_value_steps)
+    "sao": Variant("sao", "token", loss="sao"),    # + its own defaults (run_utils.sao_defaults)
+}
 
 
 # --- Config ------------------------------------------------------------------------------------
@@ -181,28 +202,33 @@ class Config:
     preset_options: dict = field(default_factory=dict, init=False)   # not a flag: Preset.options
 
     def __post_init__(self):            # counts and ranges: run_utils.check_config
-        for flag, allowed in (("variant", VARIANTS), ("preset", tuple(presets.PRESETS)),
+        for flag, allowed in (("variant", tuple(VARIANTS)), ("preset", tuple(presets.PRESETS)),
                               ("dataset", ("synthetic", "hotpotqa", "testbed")),
                               ("dtype", ("auto", "bfloat16", "float32")),
                               ("critic_target", mpo.CRITIC_TARGETS),
                               ("critic", ("token", "turn"))):
             if getattr(self, flag) not in allowed:
                 raise ValueError(f"--{flag} must be one of {allowed}, got {getattr(self, flag)!r}")
-        if self.variant == "mpo_beta0":
-            self.beta = 0.0
+        if self.spec.beta is not None:
+            self.beta = self.spec.beta
         if not self.out_dir:
             prefix = "" if self.preset == "default" else self.preset + "-"
             self.out_dir = f"runs/{prefix}{self.variant}-s{self.seed}"
 
     @property
+    def spec(self) -> Variant:
+        """The variant's row of VARIANTS."""
+        return VARIANTS[self.variant]
+
+    @property
     def uses_critic(self) -> bool:
-        return self.variant not in ("grpo", "gspo")
+        return self.spec.critic
 
     @property
     def critic_only_steps(self) -> int:
         """The first updates train the critic alone (the policy adapter gets no gradient and no
         optimiser step): the critic warm-up, and VAPO's value pretraining."""
-        vapo = self.vapo_value_steps if self.variant == "vapo" else 0
+        vapo = self.vapo_value_steps if self.spec.advantages == "vapo" else 0
         return max(self.critic_warmup_steps, vapo)
 
 
@@ -519,25 +545,22 @@ def score_batch(model, value_head, batch, cfg: Config) -> None:
 def compute_advantages(batch, cfg: Config) -> None:
     turn_ids, values, scores = batch["turn_ids"], batch["values"], batch["scores"]
     rewards = mpo.outcome_rewards(scores, turn_ids)               # (B, T): R(τ) on the last token
-    if cfg.variant in ("mpo", "mpo_token_is", "mpo_beta0"):          # MPO: Eq. (20) advantages
+    estimator = cfg.spec.advantages
+    if estimator == "mpo":                                           # MPO: Eq. (20) advantages
         adv, ret = mpo.mpo_advantages(rewards, values, turn_ids, lam=cfg.lam,
                                       lam_intra=cfg.lam_intra, beta=cfg.beta,  # turn: λ-return
                                       critic_target="mae" if cfg.critic == "turn" else
                                       cfg.critic_target)
-    elif cfg.variant == "vapo":                     # VAPO: critic λ = 1, policy λ length-adaptive
+    elif estimator == "vapo":                       # VAPO: critic λ = 1, policy λ length-adaptive
         adv, ret = baselines.vapo_advantages(rewards, values, turn_ids >= 0, alpha=cfg.vapo_alpha)
-    elif cfg.variant == "sao":                      # SAO: VAPO's estimator at α = 1.5
+    elif estimator == "sao":                        # SAO: VAPO's estimator at α = 1.5
         adv, ret = baselines.sao_advantages(rewards, values, turn_ids >= 0, alpha=cfg.sao_alpha)
-    elif cfg.variant == "ppo":                                       # token GAE baseline
+    elif estimator == "token_gae":                                   # PPO: token GAE
         adv, ret = mpo.token_gae(rewards, values, turn_ids >= 0, lam=cfg.ppo_lam)
     else:                                                            # GRPO / GSPO
         adv = mpo.grpo_advantages(scores, batch["groups"], turn_ids, scale=cfg.grpo_scale)
         ret = torch.zeros_like(adv)
     batch["advantages"], batch["returns"] = adv, ret                 # (B, T), (B, T)
-
-
-def ratio_level(cfg: Config) -> str:                                          # MPO: turn ratio
-    return {"mpo": "turn", "mpo_beta0": "turn", "gspo": "sequence"}.get(cfg.variant, "token")
 
 
 # --- Update: PPO epochs x minibatches; policy adapter, then critic adapter + value head --------
@@ -559,13 +582,13 @@ def policy_backward(model, batch, micro, n_tok, clip: tuple[float, float], cfg: 
     use_adapter(model, "policy")
     logp, entropy = token_logprobs(model, ids, attn, tid >= 0, cfg.temperature, h)
     old_logp, adv = batch["old_logp"][micro, :width], batch["advantages"][micro, :width]
-    if cfg.variant == "sao":              # a token outside SAO's band gets no gradient
+    if cfg.spec.loss == "sao":            # a token outside SAO's band gets no gradient
         loss_pi, stats = baselines.sao_policy_loss(logp, old_logp, adv, tid, cfg.sao_eps_low,
                                                    cfg.sao_eps_high, num_tokens=n_tok,
                                                    validate=False)
     else:
         loss_pi, stats = mpo.policy_loss(                                    # MPO: turn ratio
-            logp, old_logp, adv, tid, clip_eps=clip[0], ratio_level=ratio_level(cfg),
+            logp, old_logp, adv, tid, clip_eps=clip[0], ratio_level=cfg.spec.ratio_level,
             clip_eps_high=clip[1], dual_clip=cfg.dual_clip or None,   # bounds a runaway ratio
             num_tokens=n_tok, validate=False)
     loss = loss_pi
@@ -590,16 +613,16 @@ def critic_backward(model, value_head, batch, micro, n_tok, cfg: Config) -> dict
     return {"value_loss": loss_v.detach()}
 
 
-def update(model, value_head, opt, batch, cfg: Config) -> dict[str, float]:
+def update(model, value_head, opt, batch, cfg: Config, step: int = 0) -> dict[str, float]:
     """PPO-style epochs over the batch; returns each statistic's mean over the minibatches.
     The policy adapter and the critic (adapter + value head) are clipped apart, each to its own
     max norm, so neither's gradient scales the other's step; both norms are logged."""
     model.train()
     act = batch["turn_ids"] >= 0
-    eps, eps_high = ((cfg.gspo_clip_low, cfg.gspo_clip_high) if cfg.variant == "gspo"
+    eps, eps_high = ((cfg.gspo_clip_low, cfg.gspo_clip_high) if cfg.spec.ratio_level == "sequence"
                      else (cfg.clip_eps, cfg.clip_eps_high))     # GSPO clips a sequence ratio
     loss_keys = ("policy_loss", "value_loss", "kl_base")   # already minibatch token means
-    train_policy = batch.get("step", 0) >= cfg.critic_only_steps   # warm-up, VAPO pretraining
+    train_policy = step >= cfg.critic_only_steps   # `step` (0-based): warm-up, VAPO pretraining
     if cfg.skip_equal_rewards and bool((batch["scores"] == batch["scores"][0]).all()):
         train_policy = False            # R(τ) the same for all: no signal but the critic's noise
     policy_params, *critic_groups = opt.param_groups
@@ -730,10 +753,9 @@ def train_step(model, value_head, opt, tok, suite: Suite, cfg: Config, step: int
     batch = collate(trajs, tok.pad_token_id, device)
     phase("score", lambda: score_batch(model, value_head, batch, cfg))   # old log-probs, V
     # --- advantages ---
-    batch["step"] = step                # update reads it: the critic-only steps
     compute_advantages(batch, cfg)                                   # MPO: Eq. (20) advantages
     # --- update ---
-    stats = phase("update", lambda: update(model, value_head, opt, batch, cfg))
+    stats = phase("update", lambda: update(model, value_head, opt, batch, cfg, step))
     free_cached(device)                 # activations' blocks: the next rollout has other shapes
     return trajs, batch, stats, times
 

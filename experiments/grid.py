@@ -64,6 +64,7 @@ import math
 import os
 import platform
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -75,6 +76,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))          # python experiments/grid.py from anywhere
+from experiments.significance import ALPHA, diff_cell, fmt_p, holm, mean_se, paired_t  # noqa: E402
 
 MARKER = "run.json"
 GRIDS = {
@@ -803,7 +805,6 @@ V3_VARIANTS = ("mpo", "mpo_token_is", "mpo_beta0", "ppo", "grpo", "sao")
 V3_TURN_LENS = (16, 64)
 V3_DELAYS = (1, 2)
 V3_RESULTS = ROOT / "docs" / "testbed" / "v3" / "results.json"
-ALPHA = 0.05                 # the family-wise error rate of the Holm correction
 
 
 def v2_jobs(args, extra: list[str]) -> list[dict]:
@@ -962,6 +963,34 @@ def merge_records(path: Path, records: list[dict], key=None,
     return sorted(records + old, key=order or order_key), len(old)
 
 
+def save_study(out: Path, results: Path, records: list[dict], run_name, command: str,
+               planned: int, kept: int) -> list[dict]:
+    """A study's records into its committed raw file, each sitting's diff copied beside it
+    (diffs/, from the run folder out/runs/<run_name(record)>), so every record's code can be
+    rebuilt from the repository alone; the info says how and where they were made."""
+    diffs = results.parent / "diffs"
+    for r in records:
+        for c in r.get("code", []):
+            if c["diff"] and not (diffs / c["diff"]).exists():
+                diffs.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(out / "runs" / run_name(r) / c["diff"], diffs / c["diff"])
+    write_results(results, {
+        "command": command, "runs": len(records), "planned": planned, "kept_from_file": kept,
+        "commit": git_commit(),
+        "run_min_total": round(sum(r["wall_s"] or 0 for r in records) / 60, 1),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {cpu_kind()}",
+        "python": platform.python_version()}, records)
+    return records
+
+
+def load_records(results: Path) -> list[dict]:
+    """The records of a committed raw file, each passing check_record."""
+    records = json.loads(results.read_text())["runs"]
+    for r in records:
+        check_record(r, results)
+    return records
+
+
 def write_results(path: Path, info: dict, records: list[dict]) -> Path:
     """The committed raw file: {"info": ..., "runs": [one record per line]}, small and diffable."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -971,44 +1000,7 @@ def write_results(path: Path, info: dict, records: list[dict]) -> Path:
     return path
 
 
-# --- statistics: paired t-tests against A, Holm's step-down correction -------------------------
-
-def paired_t(x: list[float], ref: list[float]) -> dict:
-    """The paired t-test of x − ref (same seeds, in order): n, mean, SE, t and the two-sided p
-    (scipy.stats.ttest_rel). Identical differences have SE 0 and no t-test: t = nan, p = 1 (on
-    a metric with 1/32 steps, two seeds can differ by exactly the same amount by chance).
-
-    Example: paired_t([0.5, 0.7, 0.6], [0.4, 0.4, 0.4]) -> n 3, mean 0.2, t 3.46, p 0.0742.
-    """
-    from scipy import stats
-    d = [a - b for a, b in zip(x, ref)]
-    n, mean = len(d), statistics.mean(d)
-    se = statistics.stdev(d) / math.sqrt(n) if n > 1 else math.nan
-    if n < 2:
-        t, p = math.nan, math.nan
-    elif se == 0:
-        t, p = (0.0 if mean == 0 else math.nan), 1.0
-    else:
-        res = stats.ttest_rel(x, ref)
-        t, p = float(res.statistic), float(res.pvalue)
-    return {"n": n, "mean": mean, "se": se, "t": t, "p": p}
-
-
-def holm(pvalues: list[float]) -> list[float]:
-    """Holm's step-down adjusted p-values, in the input order: sorted ascending, the i-th smallest
-    (i = 1..m) becomes max over j <= i of min(1, (m − j + 1) p_(j)). A comparison survives at level
-    α when its adjusted p is below α; this controls the family-wise error rate at α.
-
-    Example: holm([0.01, 0.04, 0.03]) -> [0.03, 0.06, 0.06].
-    """
-    m = len(pvalues)
-    order = sorted(range(m), key=lambda i: pvalues[i])
-    adjusted, running = [0.0] * m, 0.0
-    for rank, i in enumerate(order):
-        running = max(running, min(1.0, (m - rank) * pvalues[i]))
-        adjusted[i] = running
-    return adjusted
-
+# --- statistics (experiments/significance.py): paired t-tests against A, Holm's correction ------------
 
 def order_key(r: dict) -> tuple:
     """Records in reading order: v2 before streaming, L ascending, variants as in LABELS."""
@@ -1039,24 +1031,6 @@ def comparisons(records: list[dict], ref: str = "mpo", metric: str = "final") ->
     for c, p in zip(out, holm([c["p"] for c in out])):
         c["p_holm"] = p
     return out
-
-
-def mean_se(xs: list, scale: float = 100.0, digits: int = 1) -> str:
-    """'mean ± standard error' of the values that are not None, scaled (percent by default).
-
-    Example: mean_se([0.5, 0.7]) -> "60.0 ± 10.0"; mean_se([None]) -> "–".
-    """
-    xs = [x for x in xs if x is not None]
-    if not xs:
-        return "–"
-    if len(xs) == 1:
-        return f"{scale * xs[0]:.{digits}f}"
-    se = statistics.stdev(xs) / math.sqrt(len(xs))
-    return f"{scale * statistics.mean(xs):.{digits}f} ± {scale * se:.{digits}f}"
-
-
-def fmt_p(p: float) -> str:
-    return "–" if p is None or math.isnan(p) else (f"{p:.2g}" if p < 0.001 else f"{p:.3f}")
 
 
 def v2_cell_table(records: list[dict]) -> str:
@@ -1135,17 +1109,6 @@ def row_name(setting: str) -> str:
     if parts[0] == "stream":
         return f"streaming L = {L}"
     return (f"d = {parts[1][1:]}, " if parts[0] == "v3" else "") + f"L = {L}"
-
-
-def diff_cell(c: dict | None) -> str:
-    """One paired comparison as a table cell: "Δ ± SE (p → Holm p)" in points, bold when it
-    survives Holm; "–" for none. Example: {mean 0.2, se 0.05, p 0.01, p_holm 0.04} ->
-    "**+20.0 ± 5.0 (0.010 → 0.040)**"."""
-    if c is None:
-        return "–"
-    mean = f"{100 * c['mean']:+.1f}".replace("-", "−")
-    text = f"{mean} ± {100 * c['se']:.1f} ({fmt_p(c['p'])} → {fmt_p(c['p_holm'])})"
-    return f"**{text}**" if c["p_holm"] < ALPHA else text
 
 
 def page_tables(records: list[dict], ref: str = "mpo") -> str:
@@ -1262,7 +1225,7 @@ def map_comparisons(records: list[dict], ref: str = "mpo") -> list[dict]:
     return comps
 
 
-def critic_gates(records: list[dict], setting: str, variant: str = "mpo") -> dict:
+def map_critic_cells(records: list[dict], setting: str, variant: str = "mpo") -> dict:
     """A's trained critic in one setting, mean over seeds: EV against R on the later turns and
     the between-turn share of its values' variance (Appendix C; the paper: 0.895)."""
     rs = [r["critic"] for r in records if r["setting"] == setting and r["variant"] == variant]
@@ -1296,7 +1259,7 @@ def map_table(records: list[dict], ref: str = "mpo", compact: bool = False) -> s
              + " | ".join(f"MPO − {SHORT[v].split(': ')[-1]}" for v in cols) + " |",
              "|---|---|" + "---|" * (len(critic) + len(cols))]
     for st, regime, L in rows:
-        g = critic_gates(records, st, ref)
+        g = map_critic_cells(records, st, ref)
         gates = ["–" if g[k] is None else f"{g[k]:.2f}" for k in ("ev_R_later", "between")]
         row = [names[regime], str(L), *([" / ".join(gates)] if compact else gates)]
         for v in cols:
@@ -1370,7 +1333,7 @@ def map_figure(records: list[dict], path: Path, ref: str = "mpo") -> Path:
                         ha="center", va="center", fontsize=9)
     labels = []
     for st, regime, L in rows:
-        g = critic_gates(records, st, ref)
+        g = map_critic_cells(records, st, ref)
         gate = "" if g["between"] is None else f"  [EV {g['ev_R_later']:.2f}, {g['between']:.2f}]"
         labels.append(f"{dict(MAP_REGIMES)[regime]}, L = {L}{gate}")
     ax.set_yticks(range(len(rows)), labels, fontsize=8)

@@ -42,7 +42,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))                    # python experiments/smol_study.py from anywhere
-from experiments import grid  # noqa: E402
+from experiments import grid, significance as sig  # noqa: E402
 
 STAGES = {"pilot": ("mpo", "mpo_token_is", "mpo_beta0"), "abc": ("mpo", "mpo_token_is", "mpo_beta0"),
           "turn": ("mpo_beta0_turn",),         # issue 41, part 3: §12's turn-boundary critic
@@ -215,7 +215,7 @@ def gains_table(runs) -> str:
         end = [em(final(r)) for _, r in cells]
         gain = [b - a for a, b in zip(start, end)]
         lines.append(f"| {LABELS[v]} | {len(cells)} | {statistics.mean(start):.1f} | "
-                     f"{statistics.mean(end):.1f} | {grid.mean_se(gain, scale=1.0)} | "
+                     f"{statistics.mean(end):.1f} | {sig.mean_se(gain, scale=1.0)} | "
                      + ", ".join(f"s{s} {g:+.1f}" for (s, _), g in zip(cells, gain)) + " |")
     return "\n".join(lines)
 
@@ -239,10 +239,10 @@ def comparisons(runs, ref: str = "mpo") -> list[dict]:
         c = sum(solved(qx) and not solved(qa) for qa, qx in pairs)      # X right, A wrong
         comps.append({"variant": v, "ref": ref, "seeds": seeds, "n_pairs": len(pairs),
                       "d": [em(fa) - em(fx) for fa, fx in zip(a, x)],
-                      **grid.paired_t([em(f) for f in a], [em(f) for f in x]), "b": b, "c": c,
+                      **sig.paired_t([em(f) for f in a], [em(f) for f in x]), "b": b, "c": c,
                       "p_mcnemar": stats.binomtest(b, b + c, 0.5).pvalue if b + c else 1.0})
     tested = [c for c in comps if math.isfinite(c["p"])]
-    for c, p in zip(tested, grid.holm([c["p"] for c in tested])):
+    for c, p in zip(tested, sig.holm([c["p"] for c in tested])):
         c["p_holm"] = p
     return comps
 
@@ -254,8 +254,8 @@ def paired_table(comps: list[dict]) -> str:
     for c in comps:
         spread = f" ± {c['se']:.1f} | {statistics.stdev(c['d']):.1f}" if c["n"] > 1 else " | –"
         lines.append(f"| {LABELS[c['variant']]} | {c['n']} | {c['mean']:+.1f}{spread} | "
-                     f"{grid.fmt_p(c['p'])} | {grid.fmt_p(c.get('p_holm'))} | "
-                     f"{c['b']} / {c['c']}, p = {grid.fmt_p(c['p_mcnemar'])} |")
+                     f"{sig.fmt_p(c['p'])} | {sig.fmt_p(c.get('p_holm'))} | "
+                     f"{c['b']} / {c['c']}, p = {sig.fmt_p(c['p_mcnemar'])} |")
     return "\n".join(lines)
 
 

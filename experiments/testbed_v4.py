@@ -27,17 +27,13 @@ resumed where a run stopped (grid.run_jobs); each sitting records its commit, CP
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
-import shutil
 import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from experiments import grid  # noqa: E402
+from experiments import grid, significance as sig  # noqa: E402
 
 ROOT = grid.ROOT
 TURN_LEN, STEPS, WARMUP = 16, 60, 30
@@ -99,36 +95,17 @@ def save(out: Path, results: Path, argv: list[str]) -> list[dict]:
     """The finished runs' records into results (keeping committed records whose run folder is
     gone), each sitting's diff copied beside them (diffs/)."""
     records, kept = grid.merge_records(results, grid.collect_v2(out, "regime"), None, order)
-    records = [r for r in records if r["regime"] == "v4"]
-    diffs = results.parent / "diffs"
-    for r in records:
-        for c in r.get("code", []):
-            if c["diff"] and not (diffs / c["diff"]).exists():
-                src = out / "runs" / f"{r['setting']}-{r['variant']}-s{r['seed']}" / c["diff"]
-                diffs.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(src, diffs / c["diff"])
-    grid.write_results(results, {
-        "command": "python experiments/testbed_v4.py " + " ".join(argv), "runs": len(records),
-        "planned": len(SETTINGS) * len(VARIANTS) * len(SEEDS), "kept_from_file": kept,
-        "commit": grid.git_commit(),
-        "run_min_total": round(sum(r["wall_s"] or 0 for r in records) / 60, 1),
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {grid.cpu_kind()}",
-        "python": platform.python_version()}, records)
-    return records
+    return grid.save_study(out, results, [r for r in records if r["regime"] == "v4"],
+                           lambda r: f"{r['setting']}-{r['variant']}-s{r['seed']}",
+                           "python experiments/testbed_v4.py " + " ".join(argv),
+                           len(SETTINGS) * len(VARIANTS) * len(SEEDS), kept)
 
 
 def load(results: Path = RESULTS) -> list[dict]:
-    records = json.loads(results.read_text())["runs"]
-    for r in records:
-        grid.check_record(r, results)
-    return records
+    return grid.load_records(results)
 
 
 # --- tables -----------------------------------------------------------------------------------
-
-def signed(x: float) -> str:
-    text = f"{100 * x:+.1f}".replace("-", "−")
-    return "0.0" if text in ("+0.0", "−0.0") else text
 
 
 def cells_of(records: list[dict]) -> dict[tuple[str, str], list[dict]]:
@@ -164,12 +141,12 @@ def cell_table(records: list[dict]) -> str:
         K = SETTINGS[setting][0]
         equal = [at_update(r, STEPS - r.get("warmup", 0)) for r in rs]   # same rollouts
         lines.append("| " + " | ".join([
-            setting, SHORT.get(v, v), str(len(rs)), grid.mean_se([r["final"] for r in rs]),
-            grid.mean_se([r["auc"] for r in rs]), grid.mean_se(equal),
-            grid.mean_se([r.get("credit_corr") for r in rs], 1.0, 2),
+            setting, SHORT.get(v, v), str(len(rs)), sig.mean_se([r["final"] for r in rs]),
+            sig.mean_se([r["auc"] for r in rs]), sig.mean_se(equal),
+            sig.mean_se([r.get("credit_corr") for r in rs], 1.0, 2),
             ev_turns(rs, K) if v != "grpo" else "–",
-            grid.mean_se([r["critic"].get("ev_R") for r in rs], 1.0, 2),
-            grid.mean_se([r["critic"].get("between_share_token_median") for r in rs], 1.0, 2),
+            sig.mean_se([r["critic"].get("ev_R") for r in rs], 1.0, 2),
+            sig.mean_se([r["critic"].get("between_share_token_median") for r in rs], 1.0, 2),
         ]) + " |")
     return "\n".join(lines) + "\n"
 
@@ -188,10 +165,10 @@ def paired(records: list[dict], metric: str = "final") -> list[dict]:
                 seeds = [s for s in SEEDS if (setting, v, s) in by and (setting, ref, s) in by]
                 if len(seeds) < 2:
                     continue
-                t = grid.paired_t([by[(setting, v, s)] for s in seeds],
+                t = sig.paired_t([by[(setting, v, s)] for s in seeds],
                                   [by[(setting, ref, s)] for s in seeds])
                 comps.append({"setting": setting, "row": v, "ref": ref, **t})
-    for c, p in zip(comps, grid.holm([c["p"] for c in comps])):
+    for c, p in zip(comps, sig.holm([c["p"] for c in comps])):
         c["p_holm"] = p
     return comps
 
@@ -205,7 +182,7 @@ def paired_table(comps: list[dict]) -> str:
             cells = [by.get((setting, v, ref)) for ref in ("mpo", "grpo")]
             if any(cells):
                 lines.append(f"| {setting} | {SHORT[v]} | "
-                             + " | ".join(grid.diff_cell(c) for c in cells) + " |")
+                             + " | ".join(sig.diff_cell(c) for c in cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -225,9 +202,9 @@ def trend_table(records: list[dict]) -> str:
                 out.append("–")
                 continue
             n = max(n, len(seeds))
-            t = grid.paired_t([a[s] for s in seeds], [b[s] for s in seeds])
-            out.append(f"{signed(t['mean'])} ± {100 * t['se']:.1f}")
-        quality = " / ".join(grid.mean_se([r.get("credit_corr") for r in cells.get((setting, v),
+            t = sig.paired_t([a[s] for s in seeds], [b[s] for s in seeds])
+            out.append(f"{sig.signed(t['mean'])} ± {100 * t['se']:.1f}")
+        quality = " / ".join(sig.mean_se([r.get("credit_corr") for r in cells.get((setting, v),
                                                                                    [])], 1.0, 2)
                              .split(" ±")[0] for v in ("mpo", "mpo_beta0", "grpo"))
         if n:

@@ -33,17 +33,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import os
-import platform
-import shutil
 import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from experiments import grid  # noqa: E402
+from experiments import grid, significance as sig  # noqa: E402
 
 ROOT = grid.ROOT
 CELL, REGIME, TURN_LEN, DELAY = "v3-d1-L16", "v3-d1", 16, 1
@@ -175,35 +171,17 @@ def save(out: Path, results: Path, argv: list[str], planned: int) -> list[dict]:
     run folder is gone; copy each sitting's diff beside them (diffs/), so every record's code
     can be rebuilt from the repository alone."""
     records, kept = grid.merge_records(results, grid.collect_v2(out, "arm"), key, order)
-    diffs = results.parent / "diffs"
-    for r in records:
-        for c in r.get("code", []):
-            if c["diff"] and not (diffs / c["diff"]).exists():
-                src = out / "runs" / f"{r['arm']}-{r['variant']}-s{r['seed']}" / c["diff"]
-                diffs.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(src, diffs / c["diff"])
-    grid.write_results(results, {
-        "command": "python experiments/testbed_why.py " + " ".join(argv), "runs": len(records),
-        "planned": planned, "kept_from_file": kept, "commit": grid.git_commit(),
-        "run_min_total": round(sum(r["wall_s"] or 0 for r in records) / 60, 1),
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {grid.cpu_kind()}",
-        "python": platform.python_version()}, records)
-    return records
+    return grid.save_study(out, results, records,
+                           lambda r: f"{r['arm']}-{r['variant']}-s{r['seed']}",
+                           "python experiments/testbed_why.py " + " ".join(argv), planned, kept)
 
 
 def load(results: Path = RESULTS) -> list[dict]:
-    records = json.loads(results.read_text())["runs"]
-    for r in records:
-        grid.check_record(r, results)
-    return records
+    return grid.load_records(results)
 
 
 # --- tables -----------------------------------------------------------------------------------
 
-def signed(x: float) -> str:
-    """A difference in points with a typographic sign: 0.053 -> "+5.3", -0.053 -> "−5.3"."""
-    text = f"{100 * x:+.1f}".replace("-", "−")
-    return "0.0" if text in ("+0.0", "−0.0") else text
 
 
 def row_label(arm: str, variant: str) -> str:
@@ -230,17 +208,17 @@ def arm_table(records: list[dict]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for (arm, v), rs in rows_of(records).items():
         reach = [u for u in map(updates_to_half, rs) if u is not None]
-        ev = " / ".join(grid.mean_se([r["critic"].get(f"ev_R_turn{k}") for r in rs], 1.0, 2)
+        ev = " / ".join(sig.mean_se([r["critic"].get(f"ev_R_turn{k}") for r in rs], 1.0, 2)
                         .split(" ±")[0] for k in range(3))
         lines.append("| " + " | ".join([
-            arm, SHORT.get(v, v), str(len(rs)), grid.mean_se([r["final"] for r in rs]),
-            grid.mean_se([r["auc"] for r in rs]),
+            arm, SHORT.get(v, v), str(len(rs)), sig.mean_se([r["final"] for r in rs]),
+            sig.mean_se([r["auc"] for r in rs]),
             (f"{statistics.mean(reach):.0f} ({len(reach)}/{len(rs)})" if reach
              else f"– (0/{len(rs)})"),
             ev if v != "grpo" else "–",
-            grid.mean_se([r["critic"].get("between_share_token_median") for r in rs], 1.0, 2),
-            grid.mean_se([r["critic"].get("boundary_share_sq_changes") for r in rs], 1.0, 2),
-            grid.mean_se([r.get("ev_at_warmup_end") for r in rs], 1.0, 2)]) + " |")
+            sig.mean_se([r["critic"].get("between_share_token_median") for r in rs], 1.0, 2),
+            sig.mean_se([r["critic"].get("boundary_share_sq_changes") for r in rs], 1.0, 2),
+            sig.mean_se([r.get("ev_at_warmup_end") for r in rs], 1.0, 2)]) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -258,9 +236,9 @@ def paired(records: list[dict], refs: list[tuple[str, str]], metric: str,
             seeds = [s for s in SEEDS if (*row, s) in by and (*ref, s) in by]
             if len(seeds) < 2:
                 continue
-            t = grid.paired_t([by[(*row, s)] for s in seeds], [by[(*ref, s)] for s in seeds])
+            t = sig.paired_t([by[(*row, s)] for s in seeds], [by[(*ref, s)] for s in seeds])
             comps.append({"row": row, "ref": ref, **t})
-    for c, p in zip(comps, grid.holm([c["p"] for c in comps])):
+    for c, p in zip(comps, sig.holm([c["p"] for c in comps])):
         c["p_holm"] = p
     return comps
 
@@ -272,7 +250,7 @@ def paired_table(comps: list[dict], metric: str) -> str:
     head = ["arm", "variant"] + [f"− {row_label(*ref)}: Δ {metric} (p → Holm p)" for ref in refs]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
-        cells = [grid.diff_cell(by.get((row, ref))) for ref in refs]
+        cells = [sig.diff_cell(by.get((row, ref))) for ref in refs]
         lines.append("| " + " | ".join([row[0], SHORT.get(row[1], row[1]), *cells]) + " |")
     return "\n".join(lines) + "\n"
 
@@ -326,7 +304,8 @@ def reproduction_line(records: list[dict], v3: Path = grid.V3_RESULTS) -> str:
         if pairs:
             same = sum(a == b for a, b in pairs)
             d = statistics.mean(a - b for a, b in pairs)
-            parts.append(f"{SHORT[v]} {signed(d)} points ({same}/{len(pairs)} seeds identical)")
+            parts.append(f"{SHORT[v]} {sig.signed(d)} points "
+                         f"({same}/{len(pairs)} seeds identical)")
     return "Control re-run here minus v3's record, mean final success: " + "; ".join(parts) + "."
 
 
@@ -371,8 +350,8 @@ def attribution_table(records: list[dict]) -> str:
             a = {r["seed"]: r[metric] for r in cells[row]}
             b = {r["seed"]: r[metric] for r in cells[ref]}
             seeds = sorted(set(a) & set(b))
-            t = grid.paired_t([a[s] for s in seeds], [b[s] for s in seeds])
-            out.append(f"{signed(t['mean'])} ± {100 * t['se']:.1f}")
+            t = sig.paired_t([a[s] for s in seeds], [b[s] for s in seeds])
+            out.append(f"{sig.signed(t['mean'])} ± {100 * t['se']:.1f}")
         lines.append(f"| {label} | {len(seeds)} | {out[0]} | {out[1]} |")
     return "\n".join(lines) + "\n"
 
@@ -393,10 +372,10 @@ def summary_table(records: list[dict], finals: list[dict]) -> str:
         for ref in refs:
             c = by.get(((arm, v), ref))
             cells.append("–" if c is None else
-                         ("**{}**" if c["p_holm"] < grid.ALPHA else "{}").format(
-                             f"{signed(c['mean'])} ({grid.fmt_p(c['p_holm'])})"))
-        lines.append(f"| {arm} | {SHORT.get(v, v)} | {grid.mean_se([r['final'] for r in rs])} | "
-                     f"{grid.mean_se([r['auc'] for r in rs])} | " + " | ".join(cells) + " |")
+                         ("**{}**" if c["p_holm"] < sig.ALPHA else "{}").format(
+                             f"{sig.signed(c['mean'])} ({sig.fmt_p(c['p_holm'])})"))
+        lines.append(f"| {arm} | {SHORT.get(v, v)} | {sig.mean_se([r['final'] for r in rs])} | "
+                     f"{sig.mean_se([r['auc'] for r in rs])} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 

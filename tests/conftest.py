@@ -262,3 +262,20 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+# --- The tiny model of the trainer tests (test_train_min, test_trainer_gpu_path, test_turn_critic)
+@pytest.fixture(scope="module")
+def base(tmp_path_factory, request):
+    """A folder per test module for its runs and its tiny model."""
+    return tmp_path_factory.mktemp(request.module.__name__.removeprefix("test_"))
+
+
+@pytest.fixture(scope="module")
+def tiny_path(base) -> str:
+    """The tiny model, built once per module, where `main` looks for it for out_dirs inside
+    `base` (helpers.make_cfg builds a Config on it)."""
+    import presets
+    import train_min
+    cfg = train_min.parse_config(["--preset", "tiny", "--out_dir", str(base / "unused")])
+    return presets.build_tiny_model(base / ".tiny-qwen2", train_min.make_suite(cfg).corpus)

@@ -10,6 +10,13 @@ import torch
 from experiments.grid import train as run_main  # noqa: F401  main(argv), signal handlers restored
 
 
+def make_cfg(tiny_path, base, *extra: str):
+    """A --preset tiny Config on the tiny model of conftest's `tiny_path` fixture."""
+    import train_min
+    return train_min.parse_config(["--preset", "tiny", "--model", tiny_path,
+                                   "--out_dir", str(base / "unit"), *extra])
+
+
 def randomise_lora_b(model: torch.nn.Module, std: float,
                      seed: int | torch.Generator | None = None, *,
                      value_head: torch.nn.Module | None = None,

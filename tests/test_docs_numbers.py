@@ -5,7 +5,7 @@ fails here."""
 import json
 import statistics
 
-from experiments import grid
+from experiments import grid, significance as sig
 
 ROOT = grid.ROOT
 DOCS = ROOT / "docs"
@@ -117,7 +117,7 @@ def test_why_section_prose_numbers_come_from_its_raw_file():
         x, y = by_seed(*row, metric, row_step), by_seed(*ref, metric, ref_step)
         seeds = sorted(set(x) & set(y))
         t = grid.paired_t([x[s] for s in seeds], [y[s] for s in seeds])
-        return f"{why.signed(t['mean'])} ± {100 * t['se']:.1f}"
+        return f"{sig.signed(t['mean'])} ± {100 * t['se']:.1f}"
 
     A, C, G = ("control", "mpo"), ("control", "mpo_beta0"), ("control", "grpo")
     wA, wC, tc = ("warmup30", "mpo"), ("warmup30", "mpo_beta0"), ("turn_critic", "mpo_beta0")
@@ -176,7 +176,7 @@ def test_readme_why_line_comes_from_the_mechanism_arms():
 
     def text(row, ref):
         c = comps[(row, ref)]
-        return f"{why.signed(c['mean'])} ± {100 * c['se']:.1f}"
+        return f"{sig.signed(c['mean'])} ± {100 * c['se']:.1f}"
     readme = page("README.md")
     assert f"β = 1 (C − A {text(('control', 'mpo_beta0'), ('control', 'mpo')).split(' ±')[0]})" \
         in readme
@@ -203,9 +203,9 @@ def test_why_tuning_prose_numbers_come_from_its_raw_file():
             f"{100 * grid_auc[(3e-3, 3e-3)]:.1f} at the default)") in text
     assert (f"Tuned A on seeds 0–9: {grid.mean_se([r['final'] for r in a])} % (AUC "
             f"{100 * statistics.mean(r['auc'] for r in a):.1f})") in text
-    assert (f"tuned GRPO − tuned A = {why.signed(gap['mean'])} ± {100 * gap['se']:.1f} "
+    assert (f"tuned GRPO − tuned A = {sig.signed(gap['mean'])} ± {100 * gap['se']:.1f} "
             f"(Holm {grid.fmt_p(gap['p_holm'])})") in text
-    assert (f"tuned GRPO − tuned A = {why.signed(gap['mean'])} ± {100 * gap['se']:.1f} "
+    assert (f"tuned GRPO − tuned A = {sig.signed(gap['mean'])} ± {100 * gap['se']:.1f} "
             f"(Holm {grid.fmt_p(gap['p_holm'])}; PPO") in page("docs/results.md")
     ppo = comps[(("tuned", "ppo"), ("tuned", "mpo"))]
     assert f"tuned PPO ends {100 * -ppo['mean']:.1f} ± {100 * ppo['se']:.1f} points below" in text

@@ -76,7 +76,7 @@ def test_train_min_vapo_variant_pretrains_the_value_then_uses_vapo_advantages():
     update itself: test_train_min's critic-only test)."""
     import train_min
     cfg = train_min.Config(variant="vapo", vapo_value_steps=2)
-    assert "vapo" in train_min.VARIANTS and cfg.uses_critic and train_min.ratio_level(cfg) == "token"
+    assert "vapo" in train_min.VARIANTS and cfg.uses_critic and cfg.spec.ratio_level == "token"
     assert cfg.critic_only_steps == 2
     assert train_min.Config(variant="vapo", vapo_value_steps=2, critic_warmup_steps=3).critic_only_steps == 3
     assert train_min.Config(variant="mpo", vapo_value_steps=2).critic_only_steps == 0

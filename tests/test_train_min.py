@@ -32,7 +32,7 @@ import presets
 import run_utils
 import search_env
 import train_min
-from helpers import randomise_lora_b, run_main
+from helpers import make_cfg, randomise_lora_b, run_main
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -47,23 +47,7 @@ VOLATILE = ("time/", "tokens_per_s", "mem/")     # metrics that legitimately dif
 pytestmark = pytest.mark.usefixtures("one_thread")    # tests/conftest.py: tiny models run on 1 thread
 
 
-@pytest.fixture(scope="module")
-def base(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("train_min")
-
-
-@pytest.fixture(scope="module")
-def tiny_path(base) -> str:
-    """The tiny model, built once, where `main` looks for it for out_dirs inside `base`."""
-    cfg = train_min.parse_config(["--preset", "tiny", "--out_dir", str(base / "unused")])
-    return presets.build_tiny_model(base / ".tiny-qwen2", train_min.make_suite(cfg).corpus)
-
-
-def make_cfg(tiny_path, base, *extra: str) -> train_min.Config:
-    return train_min.parse_config(["--preset", "tiny", "--model", tiny_path,
-                                   "--out_dir", str(base / "unit"), *extra])
-
-
+# base, tiny_path: tests/conftest.py; make_cfg: tests/helpers.py
 @pytest.fixture(scope="module")
 def cfg(tiny_path, base):
     return make_cfg(tiny_path, base)
@@ -237,7 +221,7 @@ def test_policy_loss_gradient_wrt_logp_is_zero_off_action_positions(fresh, hand_
     logp.retain_grad()
     old = torch.where(act, logp.detach() + 0.01 * torch.randn(ids.shape, generator=g), 0.0)
     adv = torch.where(act, torch.randn(ids.shape, generator=g), 0.0)
-    loss, _ = mpo.policy_loss(logp, old, adv, turn_ids, clip_eps=0.2, ratio_level=train_min.ratio_level(c),
+    loss, _ = mpo.policy_loss(logp, old, adv, turn_ids, clip_eps=0.2, ratio_level=c.spec.ratio_level,
                               clip_eps_high=0.28, num_tokens=act.sum(), validate=False)
     loss.backward()
     assert torch.equal(logp.grad[~act], torch.zeros_like(logp.grad[~act]))
@@ -993,8 +977,7 @@ def test_critic_only_steps_train_only_the_critic_then_the_policy(fresh, hand_bat
 
     for step, policy_moves in ((0, False), (1, False), (2, True)):
         before_pi, before_v = adapter_weights(model, "policy"), adapter_weights(model, "critic")
-        batch["step"] = step
-        stats = train_min.update(model, value_head, opt, batch, c)
+        stats = train_min.update(model, value_head, opt, batch, c, step)
         moved_pi, moved_v = moved(model, before_pi, "policy"), moved(model, before_v, "critic")
         assert moved_v and moved_pi == policy_moves, step
         assert ("policy_loss" in stats) == policy_moves and stats["value_loss"] > 0
@@ -1024,8 +1007,7 @@ def test_skip_equal_rewards_leaves_the_policy_still_on_a_batch_that_all_scored_t
                                         (("--skip_equal_rewards",), (1.0, 1.0), False),
                                         (("--skip_equal_rewards",), (0.0, 1.0), True)):
         c = make_cfg(tiny_path, base, *flags, "--minibatches", "1")
-        batch = {"ids": ids, "attn": attn, "turn_ids": turn_ids, "step": 0,
-                 "scores": torch.tensor(scores)}
+        batch = {"ids": ids, "attn": attn, "turn_ids": turn_ids, "scores": torch.tensor(scores)}
         train_min.score_batch(model, value_head, batch, c)
         batch["advantages"], batch["returns"] = advantages, returns
         opt = train_min.make_optimizer(model, value_head, c)

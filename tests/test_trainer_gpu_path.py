@@ -6,7 +6,6 @@ tests/test_qwen3_template.py and the thinking tests at the end of this file."""
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,28 +14,13 @@ import presets
 import run_utils
 import search_env
 import train_min
-from helpers import ScriptedPolicy, randomise_lora_b
+from helpers import ScriptedPolicy, make_cfg, randomise_lora_b
 
 CPU = torch.device("cpu")
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(scope="module")
-def base(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("gpu_path")
-
-
-@pytest.fixture(scope="module")
-def tiny_path(base) -> str:
-    cfg = train_min.parse_config(["--preset", "tiny", "--out_dir", str(base / "unused")])
-    return presets.build_tiny_model(base / ".tiny-qwen2", train_min.make_suite(cfg).corpus)
-
-
-def make_cfg(tiny_path, base, *extra: str) -> train_min.Config:
-    return train_min.parse_config(["--preset", "tiny", "--model", tiny_path,
-                                   "--out_dir", str(base / "unit"), *extra])
-
-
+# base, tiny_path: tests/conftest.py; make_cfg: tests/helpers.py
 @pytest.fixture(scope="module")
 def loaded(tiny_path, base):
     tok, model, value_head = train_min.load_model(make_cfg(tiny_path, base), CPU)

@@ -12,10 +12,9 @@ import torch
 
 import fault_runner
 import mpo
-import presets
 import run_utils
 import train_min
-from helpers import run_main
+from helpers import make_cfg, run_main
 
 ROOT = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
@@ -265,21 +264,8 @@ def test_refit_learns_a_linear_outcome_and_keeps_the_last_capacity_turns():
 
 # --- train_min: on the tiny model ------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def base(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("turn_critic")
-
-
-@pytest.fixture(scope="module")
-def tiny_path(base) -> str:
-    cfg = train_min.parse_config(["--preset", "tiny", "--out_dir", str(base / "unused")])
-    return presets.build_tiny_model(base / ".tiny-qwen2", train_min.make_suite(cfg).corpus)
-
-
-def turn_cfg(tiny_path, base, *extra):
-    return train_min.parse_config(["--preset", "tiny", "--model", tiny_path, "--variant",
-                                   "mpo_beta0", "--critic", "turn", "--out_dir",
-                                   str(base / "unit"), *extra])
+def turn_cfg(tiny_path, base, *extra):         # base, tiny_path: tests/conftest.py
+    return make_cfg(tiny_path, base, "--variant", "mpo_beta0", "--critic", "turn", *extra)
 
 
 def test_turn_features_are_the_frozen_layer_before_each_turn(tiny_path, base):
