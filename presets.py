@@ -26,7 +26,7 @@ from typing import Callable
 import torch
 
 import search_env
-from run_utils import TINY_MARKER
+from trainer.model import TINY_MARKER
 from search_env import Suite, search_suite
 
 
@@ -241,7 +241,7 @@ def warm_start_smol(base: str, path: Path, episodes: list[list[dict]], seed: int
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from run_utils import LORA_TARGETS, get_peft_model   # peft's, minus a FutureWarning not ours
+    from trainer.model import LORA_TARGETS, get_peft_model   # peft's, minus a FutureWarning not ours
     tok = AutoTokenizer.from_pretrained(base)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     n = model.config.num_hidden_layers

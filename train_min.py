@@ -28,7 +28,8 @@ its update not reached. NOT measured: the current code on a GPU, a trained model
 the 150-step wall time and validation pass@1 of A, B and C (no GPU training run so far).
 
 Sections follow the run order; algorithm lines carry a `# MPO:` tag. presets.py: the presets;
-search_env.py: the search task; run_utils.py: the plumbing that is not the iteration.
+search_env.py: the search task; trainer/: the plumbing that is not the iteration (config, model,
+sampling, critics, runs: one room per job).
 """
 from __future__ import annotations
 
@@ -47,21 +48,22 @@ import mpo
 import presets
 from diagnostics import critic_gates
 from search_env import Suite, search_suite
-# run_utils: the plumbing; some names only re-exported (tests and experiments use train_min.X)
-from run_utils import (LOGPROB_CHUNK, LORA_TARGETS, ConfigError, MetricsLog, RunLock,
-                       StopFlag, TurnValueHead, check_out_dir, chunk_logprobs,
-                       decoder_layers, episode_stats, eval_config, eval_only, first_adapted_layer,
-                       free_cached, get_peft_model, load_base_model, load_tokenizer, log_line,
-                       micro_batches, observation_ids, parse_with_presets, phase_timer,
-                       questions_at, render_ids, resume, run_summary, save_checkpoint,
-                       seed_everything, setup_device, start_step, step_metrics, turn_features,
-                       write_outcomes)
+# trainer/: the plumbing; some names only re-exported (tests and experiments use train_min.X)
+from trainer.model import (LOGPROB_CHUNK, LORA_TARGETS, chunk_logprobs, decoder_layers,
+                           first_adapted_layer, get_peft_model, load_base_model, load_tokenizer,
+                           micro_batches, observation_ids, render_ids, setup_device)
+from trainer.config import ConfigError, parse_with_presets
+from trainer.runs import (MetricsLog, RunLock, StopFlag, check_out_dir, episode_stats,
+                          eval_config, eval_only, free_cached, log_line, phase_timer,
+                          questions_at, resume, run_summary, save_checkpoint, seed_everything,
+                          start_step, step_metrics, write_outcomes)
+from trainer.critics import TurnValueHead, turn_features
 # sampling: the softmax only (generation_config, checked), where a turn ends (TurnEnd: stop
 # strings, </think>, budgets), generate's own log-probs (TurnRecorder), rows per generate call,
 # the tokenizer's ids only (sampled_vocab), the action after </think> (split_reasoning)
-from run_utils import (SampledVocab, Turn, TurnEnd, TurnRecorder, check_generation_config,
-                       generation_config, rows_per_generate, sampled_turn, sampled_vocab,
-                       split_reasoning, thinking_mode, turn_budget)
+from trainer.sampling import (SampledVocab, Turn, TurnEnd, TurnRecorder, check_generation_config,
+                              generation_config, rows_per_generate, sampled_turn, sampled_vocab,
+                              split_reasoning, thinking_mode, turn_budget)
 
 
 
@@ -83,7 +85,7 @@ VARIANTS = {                                       # §10's settings A, B, C, th
     "grpo": Variant("grpo", "token", critic=False),
     "gspo": Variant("grpo", "sequence", critic=False),
     "vapo": Variant("vapo", "token"),              # + value pretraining (--vapo_value_steps)
-    "sao": Variant("sao", "token", loss="sao"),    # + its own defaults (run_utils.sao_defaults)
+    "sao": Variant("sao", "token", loss="sao"),    # + its own defaults (config.sao_defaults)
 }
 
 
@@ -201,7 +203,7 @@ class Config:
     memory_cap_gb: float = arg(0.0, "cap GPU memory, e.g. 24 to check the budget on a larger GPU")
     preset_options: dict = field(default_factory=dict, init=False)   # not a flag: Preset.options
 
-    def __post_init__(self):            # counts and ranges: run_utils.check_config
+    def __post_init__(self):            # counts and ranges: trainer.config.check_config
         for flag, allowed in (("variant", tuple(VARIANTS)), ("preset", tuple(presets.PRESETS)),
                               ("dataset", ("synthetic", "hotpotqa", "testbed")),
                               ("dtype", ("auto", "bfloat16", "float32")),
@@ -235,7 +237,7 @@ class Config:
 def parse_config(argv=None) -> Config:
     """Config from argv (default sys.argv) with the preset's overrides and its own flags; a bad
     value raises ConfigError (a ValueError) naming the flag."""
-    return parse_with_presets(Config, presets.PRESETS, argv)      # run_utils
+    return parse_with_presets(Config, presets.PRESETS, argv)      # trainer/config.py
 
 
 # --- Model: 4-bit base, "policy" and "critic" LoRA adapters, value head ------------------------
@@ -255,7 +257,7 @@ class ValueHead(nn.Module):
 def load_model(cfg: Config, device: torch.device):
     """Tokenizer, the PEFT model (frozen base + "policy", "critic" adapters), the value head."""
     from peft import LoraConfig
-    # run_utils: the base in the compute dtype (--dtype, auto = bf16 where the chip has it), in
+    # trainer/model.py: the base in the compute dtype (--dtype, auto = bf16 where the chip has it),
     # NF4 with --load_in_4bit (activations and KV cache stay in the compute dtype), checkpointing
     tok, base = load_base_model(cfg, device)
     # LoRA dropout 0: the first minibatch's ratio must be exactly 1 (old_logp = logp).
@@ -474,7 +476,7 @@ def collate(trajs: list[Trajectory], pad_id: int, device) -> dict[str, torch.Ten
             "groups": torch.tensor([t.group for t in trajs], device=device)}
 
 
-# --- Minibatches of micro-batches (run_utils.micro_batches: by a token budget) ----------------
+# --- Minibatches of micro-batches (trainer.model.micro_batches: by a token budget) ----------------
 def minibatch_plan(batch, cfg: Config) -> list[list[torch.Tensor]]:
     """A random split of the batch's rows into --minibatches minibatches, each a list of
     micro-batches (row indices). Scoring and the first epoch use the same plan, so every row is
@@ -672,7 +674,7 @@ def update(model, value_head, opt, batch, cfg: Config, step: int = 0) -> dict[st
             "policy_updated": float(train_policy)}
 
 
-# --- Evaluation (logging, checkpoints: run_utils.py) -------------------------------------------
+# --- Evaluation (logging, checkpoints: trainer/runs.py) -----------------------------------------
 def evaluate(model, tok, suite: Suite, cfg: Config, path: Path | None = None) -> dict[str, float]:
     """Validation statistics; with `path`, one JSON line per episode there (question, sample,
     reward, turns, malformed, answer, ...), so runs can be compared question by question."""
@@ -742,8 +744,8 @@ def train_step(model, value_head, opt, tok, suite: Suite, cfg: Config, step: int
     the update's statistics and each phase's seconds; `phase(name, fn)` runs a phase (default:
     timed), e.g. counting its FLOPs instead (experiments/benchmarks/bench_dtype.py)."""
     times = {}
-    phase = phase or phase_timer(times)    # run_utils: runs fn(), its seconds into times[name]
-    start_step(device)                  # run_utils: restarts the GPU's peak memory count
+    phase = phase or phase_timer(times)    # runs fn(), its seconds into times[name]
+    start_step(device)                  # restarts the GPU's peak memory count
     # --- rollout: the next questions in data order, n_rollouts episodes each ---
     tasks = [suite.train[i] for i in questions_at(len(suite.train), cfg.seed,
                                                    step * cfg.questions_per_step,
@@ -811,7 +813,7 @@ def run(cfg: Config, argv: list[str]) -> dict:
         trajs, batch, stats, times = train_step(model, value_head, opt, tok, suite, cfg, step,
                                                 device)
         # --- evaluation / logging / checkpoint ---
-        done = step + 1                 # step_metrics (run_utils): train/ loss/ adv/ time/ mem/
+        done = step + 1                 # step_metrics (trainer/runs.py): train/ loss/ adv/ time/
         row = step_metrics(done, trajs, cfg.n_rollouts, batch, stats, times, device)
         if cfg.uses_critic:
             row.update(critic_gates(batch))   # explained variance vs targets and vs R(τ)

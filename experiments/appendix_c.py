@@ -38,7 +38,7 @@ import torch  # noqa: E402
 
 import diagnostics  # noqa: E402
 import mpo  # noqa: E402
-import run_utils  # noqa: E402
+import trainer.runs  # noqa: E402
 import train_min as tm  # noqa: E402
 
 STATS = ("between_share_token_median", "between_share_equal_median", "between_exceeds_within_frac",
@@ -89,10 +89,10 @@ def main(argv=None) -> str:
                          "run has none to draw (its values are constant within a turn)")
     suite = tm.make_suite(cfg0)
     tok, model, value_head = tm.load_model(cfg0, device)
-    first = run_utils.latest_checkpoint(args.runs[0])
+    first = trainer.runs.latest_checkpoint(args.runs[0])
     if first is None:
         raise SystemExit(f"appendix_c.py: {args.runs[0]} has no checkpoint")
-    run_utils.load_checkpoint(first, model, value_head, None, restore_rng=False)
+    trainer.runs.load_checkpoint(first, model, value_head, None, restore_rng=False)
     tm.seed_everything(10_000 + cfg0.seed)
     trajs = tm.rollout(model, tok, suite, suite.val, cfg0, args.episodes)
     batch = tm.collate(trajs, tok.pad_token_id, device)
@@ -113,7 +113,7 @@ def main(argv=None) -> str:
             ckpts = ckpts[-1:]
         pooled = []
         for ckpt in ckpts:
-            run_utils.load_checkpoint(ckpt, model, value_head, None, restore_rng=False)
+            trainer.runs.load_checkpoint(ckpt, model, value_head, None, restore_rng=False)
             v = values_of(model, value_head, batch, cfg)
             pooled.append(v)
             saved[f"{run} {ckpt.name}"] = v

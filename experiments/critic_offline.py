@@ -43,7 +43,9 @@ from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-import run_utils  # noqa: E402  (the repository root, just put on the path)
+import trainer.critics  # noqa: E402  (the repository root, just put on the path)
+import trainer.model  # noqa: E402  (the repository root, just put on the path)
+import trainer.runs  # noqa: E402  (the repository root, just put on the path)
 
 OUT = ROOT / "runs" / "critic-offline"
 RESULTS = ROOT / "experiments" / "results" / "smol_hops_critic_offline"
@@ -57,8 +59,8 @@ def setup(extra: list[str], seed: int, out: Path):
     import train_min
     cfg = train_min.parse_config(["--preset", "smol_hops", "--seed", str(seed),
                                   "--out_dir", str(out / "scratch"), *extra])
-    device = run_utils.setup_device(cfg)
-    run_utils.seed_everything(cfg.seed)
+    device = trainer.model.setup_device(cfg)
+    trainer.runs.seed_everything(cfg.seed)
     suite = train_min.make_suite(cfg)
     cfg.model = presets.PRESETS[cfg.preset].prepare_model(cfg, suite,
                                                           train_min.supervised_warm_start)
@@ -73,7 +75,7 @@ def collect(args, extra: list[str]) -> None:
     out = Path(args.out)
     (out / "episodes").mkdir(parents=True, exist_ok=True)
     cfg, device, suite, tok, model, _ = setup(extra, args.seed, out)
-    order = run_utils.questions_at(len(suite.train), args.seed, 0, args.questions)
+    order = trainer.runs.questions_at(len(suite.train), args.seed, 0, args.questions)
     for start in tqdm(range(0, args.questions, CHUNK), desc="collect", unit="chunk"):
         path = out / "episodes" / f"q{start:04d}.jsonl.gz"
         if path.exists():
@@ -93,7 +95,7 @@ def collect(args, extra: list[str]) -> None:
                                         "truncated": bool(t.info.get("truncated")),
                                         "malformed": bool(t.info.get("malformed")),
                                         "ids": t.ids, "turn_ids": t.turn_ids}) + "\n")
-        run_utils.write_whole(path, write)                  # whole files only
+        trainer.runs.write_whole(path, write)                  # whole files only
     (out / "collect.json").write_text(json.dumps(
         {"seed": args.seed, "questions": args.questions, "n_rollouts": args.n_rollouts,
          "flags": extra, "commit": commit()}, indent=1))
@@ -189,7 +191,7 @@ def cached(path: Path | None, key: dict, field: str, compute, label: str):
             return saved[field]
     value = compute()
     if path is not None:
-        run_utils.write_whole(path, lambda tmp: torch.save({"key": key, field: value}, tmp))
+        trainer.runs.write_whole(path, lambda tmp: torch.save({"key": key, field: value}, tmp))
     return value
 
 
@@ -465,7 +467,7 @@ def fit(args, extra: list[str]) -> None:
         (RESULTS / f"fit_{args.name}.json").write_text(json.dumps(record, indent=1))
         state = {"key": key, "epoch": epoch, "record": record, "rng": torch.get_rng_state(),
                  "params": [p.detach().clone() for p in critic.params], "opt": opt.state_dict()}
-        run_utils.write_whole(state_path, lambda tmp: torch.save(state, tmp))  # to continue from
+        trainer.runs.write_whole(state_path, lambda tmp: torch.save(state, tmp))  # to continue from
 
 
 # --- the frozen-feature probe -------------------------------------------------------------------
@@ -578,11 +580,11 @@ HEAD_RATES = (1e-4, 3e-4, 1e-3, 3e-3)     # the value head's rate, chosen by 5-f
 
 class SGDHead(nn.Module):
     """The first design of the part-2 check: a zero-initialised linear layer on running-
-    standardised features (run_utils.RunningMoments), trained by AdamW steps."""
+    standardised features (trainer.critics.RunningMoments), trained by AdamW steps."""
 
     def __init__(self, hidden: int):
         super().__init__()
-        self.stats, self.linear = run_utils.RunningMoments(hidden), nn.Linear(hidden, 1)
+        self.stats, self.linear = trainer.critics.RunningMoments(hidden), nn.Linear(hidden, 1)
         nn.init.zeros_(self.linear.weight)
         nn.init.zeros_(self.linear.bias)
 
@@ -650,7 +652,7 @@ def replay_order(rows: list[dict], seed: int, grouped: bool) -> list[int]:
 
 def replay_ridge(rows: list[dict], cfg, steps: int, seed: int, target: str = "R",
                  grouped: bool = False, cv: str = "row"):
-    """The second design of design.md, train_min's --critic turn head (run_utils.TurnValueHead):
+    """The second design of design.md, train_min's --critic turn head (trainer.critics.TurnValueHead):
     the same schedule as replay_head, but at each step the batch's turn starts join the head's
     buffer and it is refitted in closed form (TurnValueHead.refit), on R(τ) or (target "lambda")
     on the turn λ-returns from the head's values before the refit, as in training; episodes in
@@ -658,7 +660,7 @@ def replay_ridge(rows: list[dict], cfg, steps: int, seed: int, target: str = "R"
     or over whole questions (cv "question"). Returns the head, each step's λ and each step's
     fresh-batch EV against R(τ) before its refit (the trainer's `critic/ev_outcome`:
     token-weighted; NaN on a batch with one reward for all)."""
-    head = run_utils.TurnValueHead(rows[0]["x"].shape[-1], layer=0, cv=cv)
+    head = trainer.critics.TurnValueHead(rows[0]["x"].shape[-1], layer=0, cv=cv)
     per_step = cfg.questions_per_step * cfg.n_rollouts
     order = replay_order(rows, seed, grouped)
     lams, fresh = [], []
@@ -818,7 +820,7 @@ def transfer(args, extra: list[str]) -> dict:
                                  out / f"turnfeat-L{layer}-{compute_dtype_name(model)}-train.pt")
     heads = {"offline replay, trainer schedule (24 steps by question, λ-return)":
              replay_ridge(feats, cfg, args.steps, args.seed, "lambda", grouped=True)[0]}
-    once = run_utils.TurnValueHead(feats[0]["x"].shape[-1], layer)
+    once = trainer.critics.TurnValueHead(feats[0]["x"].shape[-1], layer)
     x_all = torch.cat([r["x"][0] for r in feats])
     once.stats.observe(x_all)
     once.refit(x_all, torch.cat([torch.full((r["x"].shape[1],), float(r["R"])) for r in feats]))
@@ -842,7 +844,7 @@ def transfer(args, extra: list[str]) -> dict:
         results = {}
         for name, v in saved["values"].items():
             run = Path(name.rsplit(" ", 1)[0])
-            own = run_utils.TurnValueHead(feats[0]["x"].shape[-1], layer, cfg.critic_buffer)
+            own = trainer.critics.TurnValueHead(feats[0]["x"].shape[-1], layer, cfg.critic_buffer)
             own.load_state_dict(load_file(run / "checkpoints" / name.rsplit(" ", 1)[1]
                                           / "value_head.safetensors"))
             again = values(own)

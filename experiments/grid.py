@@ -53,7 +53,7 @@ same arguments resumes from its checkpoint; a run with other arguments starts ag
 re-running the same command after a preemption continues where it stopped. The marker also
 lists the commit(s) of the code that trained the run, one per sitting. A run folder has one
 writer: a second grid reaching a folder another process is writing stops with one line naming
-the folder and that process (the lock `<run>/.lock`, run_utils.RunLock).
+the folder and that process (the lock `<run>/.lock`, trainer.runs.RunLock).
 """
 from __future__ import annotations
 
@@ -123,6 +123,12 @@ def mean_std(xs: list, scale: float = 100.0, digits: int = 1, missing: str = "â€
 # One run: train_min in this process, its marker written only when it reached its final step
 # ---------------------------------------------------------------------------------------------
 
+def write_marker(path: Path, marker: dict) -> None:
+    """Write the marker whole (beside, then rename): a crash leaves the old one or the new one."""
+    import trainer.runs
+    trainer.runs.write_whole(path, lambda f: f.write_text(json.dumps(marker, indent=1)))
+
+
 def read_marker(out: Path) -> dict | None:
     f = Path(out) / MARKER
     return json.loads(f.read_text()) if f.exists() else None
@@ -136,8 +142,8 @@ def is_finished(job: dict) -> bool:
 
 def last_step(out: Path) -> int:
     """The step of the last row in the run's metrics.jsonl (0 when there is none)."""
-    import run_utils
-    rows = run_utils.read_metrics(out / "metrics.jsonl")     # a torn last line is skipped
+    import trainer.runs
+    rows = trainer.runs.read_metrics(out / "metrics.jsonl")     # a torn last line is skipped
     return rows[-1]["step"] if rows else 0
 
 
@@ -159,12 +165,13 @@ def run_one(job: dict) -> dict:
 
     job: out (run folder), argv (train_min's arguments), meta (fields copied into the marker) and
     optionally env (environment variables to set), threads (torch threads), measure_critic.
-    The run folder has one writer: its lock (run_utils.RunLock, `out/.lock`) is taken before the
+    The run folder has one writer: its lock (trainer.runs.RunLock, `out/.lock`) is taken before the
     marker is touched, so a second grid on the same folders stops with one line naming the
     folder and the holder (two writers in one folder once gave duplicated, out-of-order curves);
     a run that another grid finished meanwhile is not trained again.
     """
-    import run_utils
+    import trainer.config
+    import trainer.runs
     out = Path(job["out"])
     if job.get("parent") and os.getppid() != job["parent"]:
         # the grid that queued this run is gone (killed): a pool worker left behind would go on
@@ -172,11 +179,11 @@ def run_one(job: dict) -> dict:
         raise SystemExit(f"[grid] {out.name}: the grid that queued it (pid {job['parent']}) is "
                          "gone; not started")
     try:
-        with run_utils.RunLock(out):
+        with trainer.runs.RunLock(out):
             if is_finished(job):            # finished by another grid since this one listed it
                 return read_marker(out)
             return train_locked(job, out)
-    except run_utils.ConfigError as e:      # the folder's holder, or a bad flag: one line
+    except trainer.config.ConfigError as e:      # the folder's holder, or a bad flag: one line
         raise SystemExit(f"[grid] {e}") from None
 
 
@@ -212,7 +219,7 @@ def train_locked(job: dict, out: Path) -> dict:
               "commits": commits, "sittings": sittings, "wall_s": earlier.get("wall_s", 0.0),
               "wall_s_complete": earlier.get("wall_s_complete", True)
               and all(x["wall_s"] is not None for x in earlier.get("sittings", []))}
-    run_utils_write(out / MARKER, json.dumps(marker, indent=1))     # a killed sitting stays listed
+    write_marker(out / MARKER, marker)     # a killed sitting stays listed
     print(f"[grid] {out.name}: {'resuming' if resume else 'training'}, log in {out / 'log.txt'}",
           flush=True)
     t0 = time.perf_counter()
@@ -225,14 +232,9 @@ def train_locked(job: dict, out: Path) -> dict:
                       wall_s=marker["wall_s"] + sitting["wall_s"])
         measure = marker["finished"] and job.get("measure_critic")
         marker["structure"] = critic_structure(out) if measure else {}
-    run_utils_write(out / MARKER, json.dumps(marker, indent=1))
+    write_marker(out / MARKER, marker)
     return marker
 
-
-def run_utils_write(path: Path, text: str) -> None:
-    """Write the marker whole (beside, then rename): a crash leaves the old one or the new one."""
-    import run_utils
-    run_utils.write_whole(path, lambda f: f.write_text(text))
 
 
 LOADED_CODE: list[tuple[str, str | None]] = []   # this process's code_state(), read at its first run
@@ -309,7 +311,7 @@ def critic_structure(run_dir: Path, n: int = 4) -> dict:
     """
     import torch
     import mpo
-    import run_utils
+    import trainer.runs
     import train_min as tm
     saved = json.loads((run_dir / "config.json").read_text())
     options = saved.pop("preset_options", {})          # the testbed's flags (presets.py)
@@ -318,8 +320,8 @@ def critic_structure(run_dir: Path, n: int = 4) -> dict:
     device = torch.device("cpu")
     suite = tm.make_suite(cfg)
     tok, model, value_head = tm.load_model(cfg, device)
-    ckpt = run_utils.latest_checkpoint(run_dir)
-    run_utils.load_checkpoint(ckpt, model, value_head, None, restore_rng=False)
+    ckpt = trainer.runs.latest_checkpoint(run_dir)
+    trainer.runs.load_checkpoint(ckpt, model, value_head, None, restore_rng=False)
     tm.seed_everything(10_000 + cfg.seed)
     batch = tm.collate(tm.rollout(model, tok, suite, suite.val, cfg, n), tok.pad_token_id, device)
     tm.score_batch(model, value_head, batch, cfg)
@@ -906,7 +908,7 @@ def v2_record(marker: dict, rows: list[dict]) -> dict:
 
 
 def credit_record(rows: list[dict], warmup: int = 0) -> dict:
-    """The advantage's credit quality over a run's policy updates (run_utils.credit_quality, where
+    """The advantage's credit quality over a run's policy updates (diagnostics.credit_quality, where
     the episodes carry per-turn verdicts): `credit_corr`, the mean over updates of the mean over
     turns, and `credit_corr_turns`, each turn's mean over updates; {} where never logged."""
     rows = [r for r in rows if r["step"] > warmup and "adv/credit_corr" in r]
@@ -935,12 +937,12 @@ def check_record(r: dict, where) -> None:
 def collect_v2(out: Path, field: str = "regime") -> list[dict]:
     """The raw records of the finished runs under out/runs whose marker has `field` (v2 and v3:
     "regime"; testbed_why: "arm"); unfinished runs are left out."""
-    import run_utils
+    import trainer.runs
     records = []
     for f in sorted((out / "runs").glob(f"*/{MARKER}")):
         marker = json.loads(f.read_text())
         if marker.get("finished") and marker.get(field):
-            records.append(v2_record(marker, run_utils.read_metrics(f.parent / "metrics.jsonl")))
+            records.append(v2_record(marker, trainer.runs.read_metrics(f.parent / "metrics.jsonl")))
     return records
 
 

@@ -51,14 +51,15 @@ def turn_rows(batch: dict, trajs: list) -> list[dict]:
     return rows
 
 
-def flags_for(saved: dict, train_min, run_utils) -> list[str]:
+def flags_for(saved: dict, train_min) -> list[str]:
     """The command line that rebuilds the run's config: its preset, variant and seed, and every
     field the preset's defaults do not already give (those --resume checks)."""
+    from trainer.runs import RESUME_MAY_CHANGE
     base = ["--preset", saved["preset"], "--variant", saved["variant"], "--seed", str(saved["seed"])]
     default = train_min.parse_config(base + ["--out_dir", "unused"])
     extra = []
     for f in fields(default):
-        if not f.init or f.name in run_utils.RESUME_MAY_CHANGE or (
+        if not f.init or f.name in RESUME_MAY_CHANGE or (
                 f.name == "model" and saved["preset"] != "default"):    # a preset derives it
             continue
         if f.name in saved and saved[f.name] != getattr(default, f.name):
@@ -80,7 +81,6 @@ def main(argv=None) -> dict:
         p.error(f"--from_step {a.from_step}: no checkpoint {src}")
     if a.to_step <= a.from_step:
         p.error(f"--to_step must be after --from_step {a.from_step}")
-    import run_utils
     import train_min
     saved = json.loads((a.run / "config.json").read_text())
     record: dict = {"run": str(a.run), "from_step": a.from_step, "to_step": a.to_step, "steps": []}
@@ -100,7 +100,7 @@ def main(argv=None) -> dict:
         shutil.copytree(src, out / "checkpoints" / src.name)
         for name in ("config.json", "metrics.jsonl"):
             shutil.copy(a.run / name, out / name)
-        argv_t = flags_for(saved, train_min, run_utils) + [
+        argv_t = flags_for(saved, train_min) + [
             "--out_dir", str(out), "--resume", "--steps", str(a.to_step),
             "--eval_every", str(10 ** 6), "--save_every", str(a.to_step)]
         if a.cpu_threads:

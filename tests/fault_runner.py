@@ -27,7 +27,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 import torch  # noqa: E402
 
 import presets  # noqa: E402
-import run_utils  # noqa: E402
+import trainer.runs  # noqa: E402
 import search_env  # noqa: E402
 import train_min  # noqa: E402
 
@@ -95,7 +95,7 @@ def patch(fault: str) -> None:
                 real_replace(src, dst)
                 die()                           # the folder is in place, `latest` not updated
             return real_replace(src, dst)
-        run_utils.os.replace = replace
+        trainer.runs.os.replace = replace
     elif kind == "kill_after":
         threading.Timer(float(arg), die).start()
     elif kind != "none":

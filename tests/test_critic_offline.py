@@ -445,7 +445,7 @@ def test_transfer_scores_the_offline_heads_beside_a_runs_own_critic(tiny, tmp_pa
     head gets its row of final_critics statistics."""
     import copy
 
-    import run_utils
+    import trainer.critics
     import train_min
     from safetensors.torch import save_file
     tiny_command(tiny, tmp_path, monkeypatch, 20)
@@ -456,7 +456,7 @@ def test_transfer_scores_the_offline_heads_beside_a_runs_own_critic(tiny, tmp_pa
     _, model, _ = train_min.load_model(cfg, torch.device("cpu"))
     layer = model.config.num_hidden_layers // 2 + 1
     rows = co.turn_start_features(model, eps, cfg, torch.device("cpu"), 0, [layer])
-    own = run_utils.TurnValueHead(rows[0]["x"].shape[-1], layer, cfg.critic_buffer)
+    own = trainer.critics.TurnValueHead(rows[0]["x"].shape[-1], layer, cfg.critic_buffer)
     x = torch.cat([r["x"][0] for r in rows])
     own.stats.observe(x + 0.5)                  # fitted on other states than the scored ones
     own.refit(x + 0.5, torch.cat([torch.full((r["x"].shape[1],), float(e["reward"]))

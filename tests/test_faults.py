@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 
 import fault_runner
-import run_utils
+import trainer.config
+import trainer.runs
 import train_min
 from helpers import run_main
 
@@ -313,7 +314,7 @@ def test_a_prompt_longer_than_max_total_tokens_is_refused_by_name(base):
 def test_the_step_line_prints_validation_reward_next_to_pass_at_1():
     row = {"step": 3, "train/reward": 0.5, "val/pass@1": 1.0, "val/reward": 0.75,
            "time/step_s": 1.0, "tokens_per_s": 10.0, "mem/peak_gb": float("nan")}
-    line = run_utils.log_line(row, {})
+    line = trainer.runs.log_line(row, {})
     assert "val pass@1 1.000 reward 0.750" in line
 
 
@@ -329,20 +330,20 @@ def test_every_preset_and_variant_passes_the_config_checks():
     for preset in ("default", "tiny", "testbed", "smol"):
         for variant in train_min.VARIANTS:
             cfg = train_min.parse_config(["--preset", preset, "--variant", variant])
-            run_utils.check_config(cfg)
+            trainer.config.check_config(cfg)
 
 
 def test_write_whole_replaces_a_file_whole_and_a_failed_write_leaves_the_old_one(tmp_path):
     path = tmp_path / "latest"
-    run_utils.write_whole(path, lambda tmp: tmp.write_text("step_000002"))
+    trainer.runs.write_whole(path, lambda tmp: tmp.write_text("step_000002"))
     assert path.read_text() == "step_000002"
 
     def crash(tmp):                      # half written, then the process dies
         tmp.write_text("step_0")
         raise KeyboardInterrupt
     with pytest.raises(KeyboardInterrupt):
-        run_utils.write_whole(path, crash)
+        trainer.runs.write_whole(path, crash)
     assert path.read_text() == "step_000002"
-    run_utils.write_whole(path, lambda tmp: tmp.write_text("step_000004"))
+    trainer.runs.write_whole(path, lambda tmp: tmp.write_text("step_000004"))
     assert path.read_text() == "step_000004"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest"]      # no .tmp left behind

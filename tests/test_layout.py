@@ -1,34 +1,43 @@
-"""The root files import each other without a circle (issue 26): mpo.py and search_env.py need
-none of the others, baselines.py and diagnostics.py only mpo.py (issue 52), run_utils.py mpo.py
-and diagnostics.py, presets.py search_env.py and run_utils.py, train_min.py all of them. Every
-import counts, a function's own included."""
+"""The code imports in one direction, without a circle (issues 26, 52). At the root: mpo.py and
+search_env.py need none of the others; baselines.py and diagnostics.py only mpo.py; presets.py
+the search task and the trainer's model room; train_min.py all of them. The trainer's rooms
+(trainer/: config, model, critics, sampling, runs) import mpo.py, diagnostics.py and each other
+downward only. Every import counts, a function's own included."""
 import ast
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-FILES = ("mpo", "baselines", "diagnostics", "search_env", "run_utils", "presets",
+FILES = ("mpo", "baselines", "diagnostics", "search_env", "trainer/config", "trainer/model",
+         "trainer/critics", "trainer/sampling", "trainer/runs", "presets",
          "train_min")                                                     # in import order
 
 
 def imports_of(name: str) -> set[str]:
-    """The root modules that FILES[name].py imports anywhere in its body."""
+    """The modules of FILES that FILES[name].py imports anywhere in its body ("trainer.x" as
+    "trainer/x")."""
     found = set()
     for node in ast.walk(ast.parse((ROOT / f"{name}.py").read_text())):
         if isinstance(node, ast.Import):
+            found |= {a.name.replace(".", "/") for a in node.names}
             found |= {a.name.split(".")[0] for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            found.add(node.module.split(".")[0])
+            found |= {node.module.replace(".", "/"), node.module.split(".")[0]}
+            found |= {f"{node.module}/{a.name}" for a in node.names}
     return found & set(FILES) - {name}
 
 
-def test_root_files_import_in_one_direction_only():
+def test_code_imports_in_one_direction_only():
     graph = {name: imports_of(name) for name in FILES}
-    assert graph == {"mpo": set(), "baselines": {"mpo"}, "diagnostics": {"mpo"},
-                     "search_env": set(), "run_utils": {"mpo", "diagnostics"},
-                     "presets": {"search_env", "run_utils"},
-                     "train_min": {"mpo", "baselines", "diagnostics", "search_env", "run_utils",
-                                   "presets"}}
+    assert graph == {
+        "mpo": set(), "baselines": {"mpo"}, "diagnostics": {"mpo"}, "search_env": set(),
+        "trainer/config": set(), "trainer/model": set(),
+        "trainer/critics": {"mpo", "trainer/model"}, "trainer/sampling": {"trainer/config"},
+        "trainer/runs": {"diagnostics", "trainer/config"},
+        "presets": {"search_env", "trainer/model"},
+        "train_min": {"mpo", "baselines", "diagnostics", "search_env", "presets",
+                      "trainer/config", "trainer/model", "trainer/critics", "trainer/sampling",
+                      "trainer/runs"}}
     order = {name: i for i, name in enumerate(FILES)}           # a topological order: no cycle
     assert all(order[dep] < order[name] for name, deps in graph.items() for dep in deps)
 

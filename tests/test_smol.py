@@ -198,7 +198,7 @@ def test_warm_start_through_frozen_layers_equals_the_full_forward(tiny_llama, su
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from run_utils import get_peft_model        # peft's, without a FutureWarning not ours
+    from trainer.model import get_peft_model        # peft's, without a FutureWarning not ours
     cfg, s = suite
     episodes = [search_env.run_episode(s.make_env(q), search_env.reading_oracle(q)).messages
                 for q in s.train[:4]]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import mpo
-import run_utils
+import trainer.config
 import train_min
 from experiments import grid
 from experiments import testbed_why as why
@@ -165,7 +165,7 @@ def test_dr_grpo_flag_drops_the_division_and_is_refused_without_groups(tmp_path)
     cfg.grpo_scale = True
     train_min.compute_advantages(batch, cfg)
     assert batch["advantages"][0, 0] == pytest.approx(0.75 / 0.5, rel=1e-5)   # std of 1,0,0,0
-    with pytest.raises(run_utils.ConfigError, match="--grpo_scale false .* --variant mpo"):
+    with pytest.raises(trainer.config.ConfigError, match="--grpo_scale false .* --variant mpo"):
         train_min.parse_config(["--preset", "testbed", "--grpo_scale", "false",
                                 "--out_dir", str(tmp_path / "r2")])
     assert mpo.grpo_advantages(batch["scores"], batch["groups"], turn_ids,

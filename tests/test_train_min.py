@@ -28,8 +28,8 @@ import torch.nn.functional as F
 import diagnostics
 import fault_runner
 import mpo
-import presets
-import run_utils
+import trainer.model
+import trainer.runs
 import search_env
 import train_min
 from helpers import make_cfg, randomise_lora_b, run_main
@@ -478,7 +478,7 @@ def test_malformed_turn_ends_episode_with_reward_zero(fresh, suite, cfg, monkeyp
 
 
 # ---------------------------------------------------------------------------------------------
-# pass@k and pass^k (run_utils.py)
+# pass@k and pass^k (trainer/runs.py)
 # ---------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("n,c,k,expected", [
@@ -486,14 +486,14 @@ def test_malformed_turn_ends_episode_with_reward_zero(fresh, suite, cfg, monkeyp
     (5, 2, 2, 0.7), (4, 3, 2, 1.0), (10, 1, 10, 1.0), (1, 1, 1, 1.0), (1, 0, 1, 0.0),
 ])
 def test_pass_at_k_hand_values(n, c, k, expected):
-    assert math.isclose(run_utils.pass_at_k(n, c, k), expected, abs_tol=1e-12)
+    assert math.isclose(trainer.runs.pass_at_k(n, c, k), expected, abs_tol=1e-12)
 
 
 @pytest.mark.parametrize("n,c,k,expected", [
     (4, 2, 2, 1 / 6), (4, 4, 2, 1.0), (4, 1, 2, 0.0), (4, 3, 2, 0.5), (5, 3, 3, 0.1), (4, 2, 1, 0.5),
 ])
 def test_pass_hat_k_hand_values(n, c, k, expected):
-    assert math.isclose(run_utils.pass_hat_k(n, c, k), expected, abs_tol=1e-12)
+    assert math.isclose(trainer.runs.pass_hat_k(n, c, k), expected, abs_tol=1e-12)
 
 
 def test_pass_at_k_and_pass_hat_k_equal_exact_expectation_over_all_subsets():
@@ -504,8 +504,8 @@ def test_pass_at_k_and_pass_hat_k_equal_exact_expectation_over_all_subsets():
                 subsets = list(itertools.combinations(outcomes, k))
                 any_ok = sum(any(s) for s in subsets) / len(subsets)
                 all_ok = sum(all(s) for s in subsets) / len(subsets)
-                assert math.isclose(run_utils.pass_at_k(n, c, k), any_ok, abs_tol=1e-12), (n, c, k)
-                assert math.isclose(run_utils.pass_hat_k(n, c, k), all_ok, abs_tol=1e-12), (n, c, k)
+                assert math.isclose(trainer.runs.pass_at_k(n, c, k), any_ok, abs_tol=1e-12), (n, c, k)
+                assert math.isclose(trainer.runs.pass_hat_k(n, c, k), all_ok, abs_tol=1e-12), (n, c, k)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -574,7 +574,7 @@ def test_a_finished_run_ends_with_a_summary_that_matches_its_metrics_log(e2e, ba
     run_main(["--preset", "tiny", "--steps", "3", "--eval_every", "1", "--eval_first", "true",
               "--out_dir", str(out)])
     printed = capsys.readouterr().out.strip().splitlines()[-6:]
-    assert printed[0] == f"--- run summary: 3 steps in {run_utils.shown_path(out)} ---"
+    assert printed[0] == f"--- run summary: 3 steps in {trainer.runs.shown_path(out)} ---"
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     for line, key, steps in zip(printed[1:4], ("val/pass@1", "val/reward", "train/reward"),
                                 ([0, 1, 2, 3], [0, 1, 2, 3], [1, 2, 3])):
@@ -752,7 +752,7 @@ def test_sigterm_mid_run_checkpoints_and_the_resumed_run_matches_an_uninterrupte
     def update_then_preempt(*a, **k):
         calls.append(1)
         if len(calls) == 2:
-            os.kill(os.getpid(), signal.SIGTERM)     # delivered to run_utils.StopFlag's handler here
+            os.kill(os.getpid(), signal.SIGTERM)     # delivered to trainer.runs.StopFlag's handler here
         return real_update(*a, **k)
 
     monkeypatch.setattr(train_min, "update", update_then_preempt)
@@ -786,7 +786,7 @@ def test_questions_by_global_position_cover_each_epoch_once_across_boundaries():
     """200 questions, 16 a step: steps 12 and 25 straddle epoch boundaries (positions 192-207,
     400-415). Every epoch is a fresh permutation and each question is asked once per epoch; the
     old rule (one epoch's order for the whole step) repeated 8 questions and skipped 8."""
-    from run_utils import data_order, questions_at
+    from trainer.runs import data_order, questions_at
     n, per_step, seed = 200, 16, 0
     asked = [q for step in range(38) for q in questions_at(n, seed, step * per_step, per_step)]
     assert len(asked) == 38 * 16 == 608
@@ -808,14 +808,14 @@ def test_questions_by_global_position_cover_each_epoch_once_across_boundaries():
 def test_dtype_auto_follows_the_device_and_the_cpu_flags_and_a_flag_forces_either(
         monkeypatch, tiny_path, base):
     auto = make_cfg(tiny_path, base, "--dtype", "auto")
-    monkeypatch.setattr(run_utils, "cpu_has_bf16", lambda: True)
-    assert run_utils.compute_dtype(auto, CPU) == torch.bfloat16
-    monkeypatch.setattr(run_utils, "cpu_has_bf16", lambda: False)
-    assert run_utils.compute_dtype(auto, CPU) == torch.float32
-    assert run_utils.compute_dtype(auto, torch.device("cuda")) == torch.bfloat16
+    monkeypatch.setattr(trainer.model, "cpu_has_bf16", lambda: True)
+    assert trainer.model.compute_dtype(auto, CPU) == torch.bfloat16
+    monkeypatch.setattr(trainer.model, "cpu_has_bf16", lambda: False)
+    assert trainer.model.compute_dtype(auto, CPU) == torch.float32
+    assert trainer.model.compute_dtype(auto, torch.device("cuda")) == torch.bfloat16
     for name in ("float32", "bfloat16"):
         forced = make_cfg(tiny_path, base, "--dtype", name)
-        assert run_utils.compute_dtype(forced, CPU) == getattr(torch, name)
+        assert trainer.model.compute_dtype(forced, CPU) == getattr(torch, name)
     assert make_cfg(tiny_path, base).dtype == "float32"          # the tiny preset's own choice
     smol = train_min.parse_config(["--preset", "smol", "--out_dir", str(base / "unit")])
     assert smol.dtype == "auto"
@@ -826,12 +826,12 @@ def test_dtype_auto_follows_the_device_and_the_cpu_flags_and_a_flag_forces_eithe
 def test_cpu_has_bf16_reads_the_cpu_flags(tmp_path):
     info = tmp_path / "cpuinfo"
     info.write_text("processor : 0\nflags : fpu sse avx512f avx512_bf16 avx512vl\n")
-    assert run_utils.cpu_has_bf16(info)
+    assert trainer.model.cpu_has_bf16(info)
     info.write_text("processor : 0\nflags : fpu sse avx2 avx512f\n")
-    assert not run_utils.cpu_has_bf16(info)
+    assert not trainer.model.cpu_has_bf16(info)
     info.write_text("Features : fp asimd bf16 i8mm\n")                     # Arm's extension
-    assert run_utils.cpu_has_bf16(info)
-    assert not run_utils.cpu_has_bf16(tmp_path / "missing")                # unreadable: float32
+    assert trainer.model.cpu_has_bf16(info)
+    assert not trainer.model.cpu_has_bf16(tmp_path / "missing")                # unreadable: float32
 
 
 @pytest.fixture(scope="module")
@@ -1035,5 +1035,5 @@ def test_memory_cap_passes_a_device_index_to_torch(monkeypatch):
                         lambda i: type("P", (), {"total_memory": 96 * 2**30})())
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", set_fraction)
     cfg = train_min.Config(device="cuda", memory_cap_gb=24.0, cpu_threads=0)
-    assert run_utils.setup_device(cfg) == torch.device("cuda")
+    assert trainer.model.setup_device(cfg) == torch.device("cuda")
     assert calls == [(0.25, 0)]

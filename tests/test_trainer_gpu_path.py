@@ -11,7 +11,10 @@ import pytest
 import torch
 
 import presets
-import run_utils
+import trainer.config
+import trainer.model
+import trainer.runs
+import trainer.sampling
 import search_env
 import train_min
 from helpers import ScriptedPolicy, make_cfg, randomise_lora_b
@@ -189,7 +192,7 @@ def test_turn_truncated_is_counted_apart_from_malformed(loaded, tiny_path, base,
     for t in trajs:
         assert t.done and t.reward == 0.0 and t.n_turns == 1
         assert t.info["turn_truncated"] is cut and t.info["malformed"] is (not cut)
-    stats = run_utils.episode_stats(trajs, 2, "val/")
+    stats = trainer.runs.episode_stats(trajs, 2, "val/")
     assert stats["val/turn_truncated_rate"] == float(cut)
     assert stats["val/format_error_rate"] == float(not cut)
     train_min.write_outcomes(trajs, suite.train[:2], 2, tmp_path / "o.jsonl")
@@ -223,7 +226,7 @@ def test_sampler_logp_matches_the_scorer_on_a_float32_model(loaded, tiny_path, b
     assert torch.isfinite(sampler[act]).all() and not torch.isfinite(sampler[~act]).any()
     assert torch.allclose(sampler[act], batch["old_logp"][act], atol=1e-4)
     assert (sampler[act] < 0).all()
-    gap = run_utils.sampler_gap(batch)
+    gap = trainer.runs.sampler_gap(batch)
     assert 0 <= gap["rollout/sampler_kl"] < 1e-7
     assert gap["rollout/sampler_max_abs_logp_diff"] < 1e-4
 
@@ -234,12 +237,12 @@ def test_sampler_gap_is_the_k3_estimate_on_hand_values():
     batch = {"turn_ids": turn_ids,
              "old_logp": torch.tensor([[0.0, -1.0, -2.0, -0.5], [0.0, 0.0, -1.0, 0.0]]),
              "sampler_logp": torch.tensor([[nan, -1.2, -2.0, nan], [nan, nan, -0.7, nan]])}
-    gap = run_utils.sampler_gap(batch)
+    gap = trainer.runs.sampler_gap(batch)
     logr = torch.tensor([0.2, 0.0, -0.3], dtype=torch.float64)        # scorer − sampler
     assert gap["rollout/sampler_kl"] == pytest.approx(float((logr.exp() - 1 - logr).mean()))
     assert gap["rollout/sampler_max_abs_logp_diff"] == pytest.approx(0.3)
     batch["sampler_logp"] = torch.full((2, 4), nan)
-    assert run_utils.sampler_gap(batch) == {}
+    assert trainer.runs.sampler_gap(batch) == {}
 
 
 # --- 7. the generation config generate resolves -------------------------------------------------
@@ -257,20 +260,20 @@ def test_resolved_generation_config_is_pure_sampling_even_with_qwen_hub_defaults
         gen = train_min.generation_config(tok, cfg, False, 8, [tok.eos_token_id])
         train_min.check_generation_config(peft_model, gen, cfg)     # ours wins: no error
         gen.top_k = None                                            # the hub's 20 leaks in
-        with pytest.raises(run_utils.ConfigError, match="top_k=20"):
+        with pytest.raises(trainer.config.ConfigError, match="top_k=20"):
             train_min.check_generation_config(model, gen, cfg)
         gen = train_min.generation_config(tok, cfg, False, 8, [tok.eos_token_id])
         gen.repetition_penalty = None
-        with pytest.raises(run_utils.ConfigError, match="repetition_penalty=1.1"):
+        with pytest.raises(trainer.config.ConfigError, match="repetition_penalty=1.1"):
             train_min.check_generation_config(model, gen, cfg)
         gen = train_min.generation_config(tok, cfg, False, 8, [tok.eos_token_id])
         gen.temperature = None
-        with pytest.raises(run_utils.ConfigError, match="temperature=0.7"):
+        with pytest.raises(trainer.config.ConfigError, match="temperature=0.7"):
             train_min.check_generation_config(model, gen, cfg)
         gen = train_min.generation_config(tok, cfg, False, 8, [tok.eos_token_id])
         model.generation_config = GenerationConfig()
         gen.top_k = None            # transformers' own default is top_k 50, not "off"
-        with pytest.raises(run_utils.ConfigError, match="top_k=50"):
+        with pytest.raises(trainer.config.ConfigError, match="top_k=50"):
             train_min.check_generation_config(peft_model, gen, cfg)
     finally:
         model.generation_config = saved
@@ -299,12 +302,12 @@ def test_load_and_generate_warn_neither_top_k_flag_nor_deprecated_checkpointing(
         tiny_path, base, transformers_warnings, four_bit):
     """Harmless warnings every run printed are gone at their source. transformers' "generation
     flags are not valid ... ['top_k']": greedy decoding was given top_k 0, a sampling-only flag
-    away from transformers' default (run_utils.generation_config now gives greedy the defaults,
+    away from transformers' default (trainer.sampling.generation_config now gives greedy the defaults,
     also over a model's own sampling defaults, Qwen2.5's here). FutureWarning "`is_gradient_
     checkpointing` is deprecated": peft's get_peft_model reads that alias on the model it wraps
-    (run_utils.get_peft_model silences that one message around that one call); and
+    (trainer.model.get_peft_model silences that one message around that one call); and
     "`gradient_checkpointing_enable` is deprecated", our call and the k-bit preparation's
-    (run_utils.load_base_model calls activation_checkpointing_enable)."""
+    (trainer.model.load_base_model calls activation_checkpointing_enable)."""
     import warnings
 
     from transformers import GenerationConfig
@@ -450,11 +453,11 @@ def test_thinking_mode_needs_a_reasoning_budget_and_a_thinking_template(tiny_pat
     tok = train_min.load_tokenizer(tiny_path)
     cfg = make_cfg(tiny_path, base)
     assert train_min.thinking_mode(tok, cfg) is False          # ChatML without <think>
-    with pytest.raises(run_utils.ConfigError, match="--enable_thinking: the chat template"):
+    with pytest.raises(trainer.config.ConfigError, match="--enable_thinking: the chat template"):
         train_min.thinking_mode(tok, make_cfg(tiny_path, base, "--enable_thinking", "true"))
     tok.chat_template = presets.CHAT_TEMPLATE.replace("assistant\n{% endif %}",
                                                       "assistant\n<think>\n{% endif %}")
-    with pytest.raises(run_utils.ConfigError, match="--max_think_tokens"):
+    with pytest.raises(trainer.config.ConfigError, match="--max_think_tokens"):
         train_min.thinking_mode(tok, cfg)
     assert train_min.thinking_mode(tok, make_cfg(tiny_path, base, "--max_think_tokens", "8"))
 
@@ -552,7 +555,7 @@ def test_thinking_mode_follows_the_real_qwen3_templates(tiny_path, base, templat
     cfg = make_cfg(tiny_path, base, "--enable_thinking", enable, "--max_think_tokens", "16")
     assert train_min.thinking_mode(tok, cfg) is thinks
     if thinks:                          # the paper's model without a reasoning budget: refused
-        with pytest.raises(run_utils.ConfigError, match="--max_think_tokens"):
+        with pytest.raises(trainer.config.ConfigError, match="--max_think_tokens"):
             train_min.thinking_mode(tok, make_cfg(tiny_path, base, "--enable_thinking", enable))
 
 
@@ -612,12 +615,12 @@ def test_a_second_writer_is_refused_naming_the_folder_and_the_holder(tmp_path, c
     dead = subprocess.Popen(["true"])
     dead.wait()
     (out / ".lock").write_text(f"{dead.pid} {socket.gethostname()}")
-    with run_utils.RunLock(out) as lock:            # a lock whose process is gone: taken over
+    with trainer.runs.RunLock(out) as lock:            # a lock whose process is gone: taken over
         assert (out / ".lock").read_text() == lock.me == f"{os.getpid()} {socket.gethostname()}"
-        with run_utils.RunLock(out):                # this process again: its own lock
+        with trainer.runs.RunLock(out):                # this process again: its own lock
             pass
     assert not (out / ".lock").exists()
     assert f"taking over the lock of pid {dead.pid}" in capsys.readouterr().err
     (out / ".lock").write_text(f"{holder} another-host")    # another host: never taken over
-    with pytest.raises(run_utils.ConfigError, match="on another-host"):
-        run_utils.RunLock(out).__enter__()
+    with pytest.raises(trainer.config.ConfigError, match="on another-host"):
+        trainer.runs.RunLock(out).__enter__()

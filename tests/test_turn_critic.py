@@ -12,7 +12,7 @@ import torch
 
 import fault_runner
 import mpo
-import run_utils
+import trainer.critics
 import train_min
 from helpers import make_cfg, run_main
 
@@ -167,9 +167,9 @@ def fit(zz, yy, lam):
 
 
 def test_ridge_leave_one_out_matches_refitting_without_each_row():
-    """run_utils.ridge_loo's e_i / (1 − H_ii) is the error of a fit without row i (checked by
+    """trainer.critics.ridge_loo's e_i / (1 − H_ii) is the error of a fit without row i (checked by
     refitting n times), its λ the grid's minimiser of that error, its intercept unpenalised."""
-    import run_utils
+    import trainer.critics
     g = torch.Generator().manual_seed(2)
     z = torch.randn(12, 3, generator=g, dtype=torch.float64)
     y = z @ torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64) + 4 + \
@@ -183,18 +183,18 @@ def test_ridge_leave_one_out_matches_refitting_without_each_row():
             err += float((y[i] - c[0] - z[i] @ c[1:]) ** 2)
         return err / len(y)
     grid = (0.01, 1.0, 30.0, 1e4)
-    coef, lam = run_utils.ridge_loo(z, y, grid)
+    coef, lam = trainer.critics.ridge_loo(z, y, grid)
     assert lam == min(grid, key=brute_loo)
     assert torch.allclose(coef, fit(z, y, lam))
-    big, _ = run_utils.ridge_loo(z, y, (1e9,))                             # all shrinkage:
+    big, _ = trainer.critics.ridge_loo(z, y, (1e9,))                             # all shrinkage:
     assert big[1:].abs().max() < 1e-6 and float(big[0]) == pytest.approx(float(y.mean()))
 
 
 def test_ridge_leave_one_group_out_matches_refitting_without_each_group():
-    """With groups, run_utils.ridge_loo's (I − H_gg)⁻¹ e_g is the error of a fit without group g
+    """With groups, trainer.critics.ridge_loo's (I − H_gg)⁻¹ e_g is the error of a fit without group g
     (checked by refitting once per group), and λ is the grid's minimiser of that error. Rows
     repeated within a group (a question's identical first turn starts) make the two differ."""
-    import run_utils
+    import trainer.critics
     g = torch.Generator().manual_seed(3)
     z = torch.randn(6, 3, generator=g, dtype=torch.float64).repeat_interleave(3, 0)   # (18, 3)
     y = z @ torch.tensor([0.5, -1.0, 0.2], dtype=torch.float64) + \
@@ -209,9 +209,9 @@ def test_ridge_leave_one_group_out_matches_refitting_without_each_group():
             err += float(((y[~keep] - c[0] - z[~keep] @ c[1:]) ** 2).sum())
         return err / len(y)
     grid = (1e-3, 0.3, 3.0, 30.0, 1e4)
-    coef, lam = run_utils.ridge_loo(z, y, grid, groups=groups)
+    coef, lam = trainer.critics.ridge_loo(z, y, grid, groups=groups)
     assert lam == min(grid, key=brute) and torch.allclose(coef, fit(z, y, lam))
-    _, lam_rows = run_utils.ridge_loo(z, y, grid)             # one row out: its copies stay in
+    _, lam_rows = trainer.critics.ridge_loo(z, y, grid)             # one row out: its copies stay in
     assert lam_rows < lam
 
 
@@ -225,8 +225,8 @@ def test_turn_value_head_by_question_keeps_question_ids_and_refuses_a_mismatch()
     head.stats.observe(x)
     lam = head.refit(x, R, q)                                # 24 rows into 16 places: the last
     assert torch.equal(head.seen_q, q[-16:]) and torch.equal(head.seen_g, R[-16:])
-    import run_utils
-    coef, lam2 = run_utils.ridge_loo(head.stats.standardise(x[-16:]), R[-16:].double(),
+    import trainer.critics
+    coef, lam2 = trainer.critics.ridge_loo(head.stats.standardise(x[-16:]), R[-16:].double(),
                                      groups=q[-16:])
     assert lam == lam2 and torch.allclose(head.linear.weight[0].double(), coef[1:], atol=1e-6)
     with pytest.raises(ValueError, match="question ids"):
@@ -358,9 +358,9 @@ def test_a_turn_critic_update_refits_the_head_on_turn_start_targets(tiny_path, b
     stats = train_min.update(model, head, opt, batch, cfg)
     G = batch["returns"].gather(1, pos)[mask]
     assert stats["value_loss"] == pytest.approx(float(0.5 * (G ** 2).mean()))   # V was 0
-    assert stats["critic_lambda"] in run_utils.RIDGE_LAMBDAS and "critic_grad_norm" not in stats
+    assert stats["critic_lambda"] in trainer.critics.RIDGE_LAMBDAS and "critic_grad_norm" not in stats
     assert int(head.n_seen) == len(G)
-    coef, lam = run_utils.ridge_loo(head.stats.standardise(batch["turn_x"][mask]), G.double())
+    coef, lam = trainer.critics.ridge_loo(head.stats.standardise(batch["turn_x"][mask]), G.double())
     assert lam == stats["critic_lambda"]
     assert torch.allclose(head.linear.weight[0].double(), coef[1:].float().double(), atol=1e-6)
     assert float(head.linear.bias) == pytest.approx(float(coef[0]))

@@ -30,7 +30,7 @@ from torch.utils.flop_counter import FlopCounterMode
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import mpo  # noqa: E402
 import train_min  # noqa: E402
-from run_utils import seed_everything  # noqa: E402
+from trainer.runs import seed_everything  # noqa: E402
 
 DTYPES = ("float32", "bfloat16")
 PHASES = ("generate", "score", "update")
@@ -60,7 +60,7 @@ def load(dtype: str, argv: list[str], tm=train_min):
 
 def train_min_at(ref: str):
     """train_min.py as it was at git commit `ref`, imported as its own module beside today's
-    (both use today's mpo.py, run_utils.py and presets.py)."""
+    (both use today's mpo.py, trainer/ and presets.py)."""
     import importlib.util
     import subprocess
     import tempfile
