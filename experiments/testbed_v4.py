@@ -16,7 +16,7 @@ Design (fixed before the runs):
   updates (SAO's own 10 replaced by them); 60 policy updates; greedy validation on 32 held-out
   tasks every 5 updates. GRPO has no critic and no warm-up.
 - Per run: v3's gates, the final critic's EV vs R on each turn's tokens (fresh validation
-  episodes) and the credit quality (run_utils.credit_quality: each turn's mean advantage against
+  episodes) and the credit quality (diagnostics.credit_quality: each turn's mean advantage against
   its own verdict, logged every update).
 - Tests: paired t-tests by seed of every variant against A and against GRPO in each setting,
   Holm over the section's comparisons (final success); the K-trend of GRPO - A read from the
@@ -128,7 +128,7 @@ def ev_turns(rs: list[dict], K: int) -> str:
     for k in range(K):
         xs = [r["critic"].get(f"ev_R_turn{k}") for r in rs]
         xs = [x for x in xs if x is not None]
-        out.append(f"{statistics.mean(xs):.2f}" if xs else "–")
+        out.append(f"{statistics.mean(xs):.2f}".replace("-0.00", "0.00") if xs else "–")
     return " / ".join(out)
 
 
