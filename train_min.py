@@ -50,8 +50,9 @@ from diagnostics import critic_gates
 from search_env import Suite, search_suite
 # trainer/: the plumbing; some names only re-exported (tests and experiments use train_min.X)
 from trainer.model import (LOGPROB_CHUNK, LORA_TARGETS, chunk_logprobs, decoder_layers,
-                           first_adapted_layer, get_peft_model, load_base_model, load_tokenizer,
-                           micro_batches, observation_ids, render_ids, setup_device)
+                           first_adapted_layer, frozen_states, get_peft_model, hidden_states,
+                           load_base_model, load_tokenizer, micro_batches, observation_ids,
+                           render_ids, setup_device)
 from trainer.config import ConfigError, parse_with_presets
 from trainer.runs import (MetricsLog, RunLock, StopFlag, check_out_dir, episode_stats,
                           eval_config, eval_only, free_cached, log_line, phase_timer,
@@ -287,28 +288,6 @@ def use_adapter(model, name: str) -> None:
     """Activate one adapter. peft's set_adapter freezes the others: always call backward()
     for a loss before switching, or that loss's adapter silently gets no gradient."""
     model.set_adapter(name)
-
-
-@torch.no_grad()
-def frozen_states(model, ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor | None:
-    """With --lora_layers N, the output of the frozen layers below the adapted top N: the same
-    for the policy, the critic and every epoch of a batch, so it is computed once per batch
-    (on a CPU, most of a step's compute). None when every layer is adapted."""
-    split = first_adapted_layer(model)
-    if split == 0:
-        return None
-    with decoder_layers(model, 0, split) as lower:
-        return lower(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state
-
-
-def hidden_states(model, ids, attn, frozen=None) -> torch.Tensor:
-    """Last hidden state of the active adapter's model (no vocabulary projection): (B, T, H);
-    from `frozen` (frozen_states) through the adapted layers only, when given."""
-    decoder = model.get_base_model().get_decoder()
-    if frozen is None:
-        return decoder(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state
-    with decoder_layers(model, first_adapted_layer(model), len(decoder.layers)) as top:
-        return top(inputs_embeds=frozen, attention_mask=attn, use_cache=False).last_hidden_state
 
 
 def token_logprobs(model, ids, attn, act, temperature: float = 1.0, frozen=None):

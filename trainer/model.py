@@ -131,6 +131,36 @@ def decoder_layers(model, lo: int, hi: int):
     finally:
         decoder.layers, decoder.norm = layers, norm
 
+@torch.no_grad()
+def frozen_states(model, ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor | None:
+    """With --lora_layers N, the output of the frozen layers below the adapted top N: the same
+    for the policy, the critic and every epoch of a batch, so it is computed once per batch
+    (on a CPU, most of a step's compute). None when every layer is adapted."""
+    split = first_adapted_layer(model)
+    if split == 0:
+        return None
+    with decoder_layers(model, 0, split) as lower:
+        return lower(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state
+
+
+def hidden_states(model, ids, attn, frozen=None) -> torch.Tensor:
+    """Last hidden state of the active adapter's model (no vocabulary projection): (B, T, H);
+    from `frozen` (frozen_states) through the adapted layers only, when given."""
+    decoder = model.get_base_model().get_decoder()
+    if frozen is None:
+        return decoder(input_ids=ids, attention_mask=attn, use_cache=False).last_hidden_state
+    with decoder_layers(model, first_adapted_layer(model), len(decoder.layers)) as top:
+        return top(inputs_embeds=frozen, attention_mask=attn, use_cache=False).last_hidden_state
+
+
+def lower_continued(model, h, attn, lo: int, hi: int) -> torch.Tensor:
+    """Frozen decoder layers lo..hi-1 applied to the hidden state h after layer lo: (B, T, H)."""
+    if lo == hi:                         # nothing to run (and no second final norm at the top)
+        return h
+    with model.disable_adapter(), decoder_layers(model, lo, hi) as mid:
+        return mid(inputs_embeds=h, attention_mask=attn, use_cache=False).last_hidden_state
+
+
 def load_tokenizer(path: str):
     """The tokenizer at `path`, left-padded for batched generation (pad = eos if it has none). A
     model built by presets.py loads its tokenizer exactly as saved: transformers maps any qwen2
@@ -197,10 +227,3 @@ def micro_batches(rows: torch.Tensor, lengths: list[int], cfg) -> list[torch.Ten
             cur = []
         cur.append(i)
     return out + [torch.tensor(cur)] if cur else out
-
-def lower_continued(model, h, attn, lo: int, hi: int) -> torch.Tensor:
-    """Frozen decoder layers lo..hi-1 applied to the hidden state h after layer lo: (B, T, H)."""
-    if lo == hi:                         # nothing to run (and no second final norm at the top)
-        return h
-    with model.disable_adapter(), decoder_layers(model, lo, hi) as mid:
-        return mid(inputs_embeds=h, attention_mask=attn, use_cache=False).last_hidden_state
