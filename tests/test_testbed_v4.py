@@ -130,3 +130,20 @@ def test_report_writes_tables_and_page_sections(tmp_path, monkeypatch):
 def test_bad_seeds_are_refused_in_one_line():
     with pytest.raises(SystemExit, match=r"--seeds \[12\] are not study seeds"):
         v4.main(["run", "--seeds", "0", "12"])
+
+
+def test_the_note_after_seed_0_quotes_seed_0s_records():
+    """docs/testbed.md's note after seed 0: A's critic (rate 1e-2) learns nothing, C's reads the
+    verdicts at K = 8, and the credit qualities of A and GRPO, from the committed records."""
+    seed0 = {(r["setting"], r["variant"]): r for r in v4.load() if r["seed"] == 0}
+    text = (v4.ROOT / "docs" / "testbed.md").read_text()
+    assert all(abs(r["critic"][k]) < 0.03 for (s, v), r in seed0.items() if v == "mpo"
+               for k in r["critic"] if k.startswith("ev_R_turn"))
+    shares = [seed0[(s, "mpo")]["critic"]["between_share_token_median"] for s in v4.SETTINGS]
+    assert f"between-turn share {min(shares):.2f}–{max(shares):.2f}" in text
+    c8 = [f"{seed0[('v4-K8', 'mpo_beta0')]['critic'][f'ev_R_turn{k}']:.2f}" for k in (1, 2, 7)]
+    assert f"C at K = 8: EV {c8[0]}, {c8[1]}, …, {c8[2]} from turn 1 to 7" in text
+    for v, words in (("mpo", "the credit quality of A"), ("grpo", "GRPO's level")):
+        q = ", ".join(f"{seed0[(s, v)]['credit_corr']:.2f}" for s in ("v4-K2", "v4-K4"))
+        assert f"{q}, {seed0[('v4-K8', v)]['credit_corr']:.2f}" in text, v
+        assert words in text
