@@ -48,16 +48,20 @@ BASE_FLAGS = ["--testbed_decisive", "every", "--testbed_key_anywhere", "true",
 # 100-102; tests/test_testbed_v4.py checks them against its choice); B takes A's.
 TUNED = {"mpo": (3e-3, 1e-2), "mpo_token_is": (3e-3, 1e-2), "mpo_beta0": (3e-3, 3e-3),
          "ppo": (3e-3, 1e-2), "grpo": (3e-3, None), "sao": (3e-3, 3e-3)}
+# Added after seed 0 (docs/testbed.md, "A note after seed 0"; not in the design, run after the 240
+# planned runs and reported apart): arm -> (variant, (policy lr, critic lr), what it isolates)
+ADDED = {"a_at_c_rates": ("mpo", (3e-3, 3e-3), "A at C's rates: β with critics that learn")}
 RESULTS = ROOT / "docs" / "testbed" / "v4" / "results.json"
 PAGE_SECTION, SUMMARY_SECTION = "v4-tables", "v4-summary"
 SUMMARY_PAGE = ROOT / "docs" / "results.md"
 SHORT = grid.SHORT
 
 
-def flags(setting: str, variant: str) -> list[str]:
-    """The train_min flags of one run after the common ones (grid.testbed_job)."""
+def flags(setting: str, variant: str, rates: tuple | None = None) -> list[str]:
+    """The train_min flags of one run after the common ones (grid.testbed_job); `rates` (policy,
+    critic) replace the variant's tuned ones (the added arms)."""
     K, feedback = SETTINGS[setting]
-    policy, critic = TUNED[variant]
+    policy, critic = rates or TUNED[variant]
     out = [*BASE_FLAGS, "--testbed_turns", str(K), "--testbed_feedback",
            "true" if feedback else "false", "--lr_policy", f"{policy:g}"]
     if critic is not None:
@@ -66,13 +70,18 @@ def flags(setting: str, variant: str) -> list[str]:
     return out
 
 
-def job(root: Path, cache: Path, setting: str, variant: str, seed: int, extra: list[str]) -> dict:
+def job(root: Path, cache: Path, setting: str, variant: str, seed: int, extra: list[str],
+        arm: str | None = None) -> dict:
+    """One run; an added arm's under runs/<arm>-<setting>-<variant>-s<seed>, its record with
+    `arm` (the planned runs have none)."""
     K, feedback = SETTINGS[setting]
     warmup = WARMUP if variant in CRITIC_VARIANTS else 0
-    return grid.testbed_job(root, setting, variant, seed, STEPS + warmup, TURN_LEN,
-                            [*flags(setting, variant), *extra],
-                            {"regime": "v4", "turns": K, "feedback": feedback, "warmup": warmup,
-                             "streaming": False, "lr": list(TUNED[variant])}, cache)
+    rates = ADDED[arm][1] if arm else TUNED[variant]
+    return grid.testbed_job(root, f"{arm}-{setting}" if arm else setting, variant, seed,
+                            STEPS + warmup, TURN_LEN, [*flags(setting, variant, rates), *extra],
+                            {"setting": setting, "regime": "v4", "turns": K, "feedback": feedback,
+                             "warmup": warmup, "streaming": False, "lr": list(rates),
+                             **({"arm": arm} if arm else {})}, cache)
 
 
 def jobs(root: Path, cache: Path, extra: list[str], seeds=SEEDS) -> list[dict]:
@@ -80,6 +89,16 @@ def jobs(root: Path, cache: Path, extra: list[str], seeds=SEEDS) -> list[dict]:
     (K = 8, the critic methods) first within a seed, so two workers finish close together."""
     out = [job(root, cache, s, v, seed, extra) for seed in seeds for s in SETTINGS
            for v in VARIANTS]
+    return by_seed(out, seeds)
+
+
+def added_jobs(root: Path, cache: Path, extra: list[str], seeds=SEEDS) -> list[dict]:
+    """The added arms (ADDED) in every setting, seed by seed."""
+    return by_seed([job(root, cache, s, v, seed, extra, arm) for seed in seeds
+                    for s in SETTINGS for arm, (v, _, _) in ADDED.items()], seeds)
+
+
+def by_seed(out: list[dict], seeds) -> list[dict]:
     rank = {seed: i for i, seed in enumerate(seeds)}
     return sorted(out, key=lambda j: (rank[j["meta"]["seed"]], -j["meta"]["turns"],
                                       -j["meta"]["warmup"]))
@@ -87,22 +106,31 @@ def jobs(root: Path, cache: Path, extra: list[str], seeds=SEEDS) -> list[dict]:
 
 # --- records ----------------------------------------------------------------------------------
 
+def key(r: dict) -> tuple:
+    return (r.get("arm"), r["setting"], r["variant"], r["seed"])
+
+
 def order(r: dict) -> tuple:
-    return (list(SETTINGS).index(r["setting"]), VARIANTS.index(r["variant"]), r["seed"])
+    return (r.get("arm") or "", list(SETTINGS).index(r["setting"]), VARIANTS.index(r["variant"]),
+            r["seed"])
+
+
+def run_name(r: dict) -> str:
+    return (f"{r['arm']}-" if r.get("arm") else "") + f"{r['setting']}-{r['variant']}-s{r['seed']}"
 
 
 def save(out: Path, results: Path, argv: list[str]) -> list[dict]:
     """The finished runs' records into results (keeping committed records whose run folder is
     gone), each sitting's diff copied beside them (diffs/)."""
-    records, kept = grid.merge_records(results, grid.collect_v2(out, "regime"), None, order)
-    return grid.save_study(out, results, [r for r in records if r["regime"] == "v4"],
-                           lambda r: f"{r['setting']}-{r['variant']}-s{r['seed']}",
+    records, kept = grid.merge_records(results, grid.collect_v2(out, "regime"), key, order)
+    return grid.save_study(out, results, [r for r in records if r["regime"] == "v4"], run_name,
                            "python experiments/testbed_v4.py " + " ".join(argv),
                            len(SETTINGS) * len(VARIANTS) * len(SEEDS), kept)
 
 
-def load(results: Path = RESULTS) -> list[dict]:
-    return grid.load_records(results)
+def load(results: Path = RESULTS, added: bool = False) -> list[dict]:
+    """The planned runs' records (added: the added arms' instead)."""
+    return [r for r in grid.load_records(results) if bool(r.get("arm")) == added]
 
 
 # --- tables -----------------------------------------------------------------------------------
@@ -222,9 +250,42 @@ def provenance_line(records: list[dict]) -> str:
             f", {dirty} with a saved diff (docs/testbed/v4/diffs/); CPU: {'; '.join(cpus)}.")
 
 
+def added_table(records: list[dict], added: list[dict]) -> str:
+    """Each added arm per setting: final success, its critic, the within-turn share of its
+    advantages, and its paired differences from the planned A and C (Holm over this table)."""
+    cells = cells_of(records)
+    comps = []
+    for arm in ADDED:
+        for setting in SETTINGS:
+            mine = {r["seed"]: r for r in added if r["arm"] == arm and r["setting"] == setting}
+            for ref in ("mpo", "mpo_beta0"):
+                theirs = {r["seed"]: r for r in cells.get((setting, ref), [])}
+                seeds = sorted(set(mine) & set(theirs))
+                if len(seeds) >= 2:
+                    comps.append({"arm": arm, "setting": setting, "ref": ref, **sig.paired_t(
+                        [mine[s]["final"] for s in seeds], [theirs[s]["final"] for s in seeds])})
+    for c, p in zip(comps, sig.holm([c["p"] for c in comps])):
+        c["p_holm"] = p
+    by = {(c["arm"], c["setting"], c["ref"]): c for c in comps}
+    lines = ["| arm | setting | seeds | final success | critic EV vs R, turn 0 / 1 / … | "
+             "within-turn share | − A: Δ final (p → Holm p) | − C: Δ final (p → Holm p) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for arm in ADDED:
+        for setting in SETTINGS:
+            rs = [r for r in added if r["arm"] == arm and r["setting"] == setting]
+            if rs:
+                lines.append(f"| {arm} | {setting} | {len(rs)} | "
+                             f"{sig.mean_se([r['final'] for r in rs])} | "
+                             f"{ev_turns(rs, SETTINGS[setting][0])} | "
+                             f"{sig.mean_se([r['within_turn_share'] for r in rs], 1.0, 2)} | "
+                             + " | ".join(sig.diff_cell(by.get((arm, setting, ref)))
+                                          for ref in ("mpo", "mpo_beta0")) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def report(results: Path = RESULTS, out: Path | None = None) -> str:
     """table.md beside the results and the page sections, from the raw file."""
-    records = load(results)
+    records, added = load(results), load(results, added=True)
     out = out or results.parent
     comps = paired(records)
     rel = results.relative_to(ROOT / "docs")
@@ -239,7 +300,10 @@ def report(results: Path = RESULTS, out: Path | None = None) -> str:
         "final critic on fresh validation episodes):\n", cell_table(records),
         "\n**The K-trend** (paired by seed, points, mean ± SE):\n", trend_table(records),
         "\n**Paired by seed, final success** (Holm over this table's comparisons):\n",
-        paired_table(comps)])
+        paired_table(comps),
+        *(["\n**Added after seed 0** (not in the design; " + "; ".join(
+            f"{a}: {d}" for a, (_, _, d) in ADDED.items()) + "):\n",
+           added_table(records, added)] if added else [])])
     out.mkdir(parents=True, exist_ok=True)
     (out / "table.md").write_text("# Testbed v4: several decisive turns, tables\n\n" + body)
     grid.update_page(grid.TESTBED_PAGE, PAGE_SECTION, body)
@@ -257,6 +321,8 @@ def main(argv=None) -> str | None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("cmd", choices=("run", "collect", "report"))
     ap.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS))
+    ap.add_argument("--added", action="store_true",
+                    help="run the added arms (ADDED) instead of the planned runs")
     ap.add_argument("--workers", type=int, default=2, choices=(1, 2))
     ap.add_argument("--out", type=Path, default=Path("runs/testbed-v4"))
     ap.add_argument("--results", type=Path, default=RESULTS)
@@ -270,7 +336,8 @@ def main(argv=None) -> str | None:
     if args.cmd == "run":
         t0 = time.perf_counter()
         for seed in args.seeds:           # one seed at a time: its records committed as it ends
-            grid.run_jobs(jobs(out, cache, extra, [seed]), args.workers)
+            grid.run_jobs((added_jobs if args.added else jobs)(out, cache, extra, [seed]),
+                          args.workers)
             save(out, args.results, argv)
         print(f"[v4] done in {(time.perf_counter() - t0) / 60:.1f} min", flush=True)
     save(out, args.results, argv)

@@ -147,3 +147,29 @@ def test_the_note_after_seed_0_quotes_seed_0s_records():
         q = ", ".join(f"{seed0[(s, v)]['credit_corr']:.2f}" for s in ("v4-K2", "v4-K4"))
         assert f"{q}, {seed0[('v4-K8', v)]['credit_corr']:.2f}" in text, v
         assert words in text
+
+
+def test_the_added_arm_is_a_at_cs_rates_kept_apart_from_the_planned_runs(tmp_path, monkeypatch):
+    jobs = v4.added_jobs(Path("/x"), Path("/c"), [], seeds=[2])
+    assert len(jobs) == len(v4.SETTINGS) * len(v4.ADDED)
+    for job in jobs:
+        cfg = train_min.parse_config(job["argv"])
+        assert cfg.variant == "mpo" and cfg.beta == 1.0 and cfg.critic_only_steps == 30
+        assert (cfg.lr_policy, cfg.lr_critic, cfg.lr_value_head) == (3e-3, 3e-3, 3e-3)
+        m = job["meta"]
+        assert m["arm"] == "a_at_c_rates" and m["setting"] in v4.SETTINGS
+        assert Path(job["out"]).name == f"a_at_c_rates-{m['setting']}-mpo-s2"
+    planned = records()
+    added = [{**r, "arm": "a_at_c_rates", "final": r["final"] + 0.1, "within_turn_share": 0.2}
+             for r in planned if r["variant"] == "mpo"]
+    assert v4.key(added[0]) != v4.key(next(r for r in planned if r["variant"] == "mpo"
+                                          and r["seed"] == added[0]["seed"]
+                                          and r["setting"] == added[0]["setting"]))
+    results = tmp_path / "docs" / "v4" / "results.json"
+    grid.write_results(results, {"command": "test"}, planned + added)
+    assert v4.load(results) == planned and v4.load(results, added=True) == added
+    monkeypatch.setattr(v4, "SEEDS", (0, 1, 2))
+    table = v4.added_table(planned, added)
+    # K2: arm − A = +0.1 on every seed (SE 0: p 1); arm − C = 0.0, 0.0, +0.1
+    assert "| a_at_c_rates | v4-K2 | 3 | 60.0 ± 5.8 | 0.00 / 0.50 | 0.20 ± 0.00 | +10.0 ± 0.0" in table
+    assert "| +3.3 ± 3.3 (0.423 → " in table
