@@ -10,6 +10,22 @@ import torch
 from experiments.grid import train as run_main  # noqa: F401  main(argv), signal handlers restored
 
 
+def rollout_batch(tok, model, value_head, cfg, seed=0, n_questions=3, n=2):
+    """A scored rollout of n episodes of the first n_questions training questions on the CPU,
+    with random advantages and returns (seeded): the trajectories and the batch."""
+    import train_min
+    torch.manual_seed(seed)
+    suite = train_min.make_suite(cfg)
+    trajs = train_min.rollout(model, tok, suite, suite.train[:n_questions], cfg, n)
+    batch = train_min.collate(trajs, tok.pad_token_id, torch.device("cpu"))
+    train_min.score_batch(model, value_head, batch, cfg)
+    act = batch["turn_ids"] >= 0
+    g = torch.Generator().manual_seed(seed + 1)
+    batch["advantages"] = torch.where(act, torch.randn(act.shape, generator=g), 0.0)
+    batch["returns"] = torch.where(act, torch.randn(act.shape, generator=g), 0.0)
+    return trajs, batch
+
+
 def make_cfg(tiny_path, base, *extra: str):
     """A --preset tiny Config on the tiny model of conftest's `tiny_path` fixture."""
     import train_min

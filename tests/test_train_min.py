@@ -32,7 +32,7 @@ import trainer.model
 import trainer.runs
 import search_env
 import train_min
-from helpers import make_cfg, randomise_lora_b, run_main
+from helpers import make_cfg, randomise_lora_b, rollout_batch, run_main
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -279,16 +279,7 @@ def test_garbage_off_action_positions_changes_neither_loss_nor_lora_gradients(fr
 # ---------------------------------------------------------------------------------------------
 
 def _rollout_batch(model, value_head, tok, c, seed=0):
-    torch.manual_seed(seed)
-    suite = train_min.make_suite(c)
-    trajs = train_min.rollout(model, tok, suite, suite.train[:2], c, 2)
-    batch = train_min.collate(trajs, tok.pad_token_id, CPU)
-    train_min.score_batch(model, value_head, batch, c)
-    act = batch["turn_ids"] >= 0
-    g = torch.Generator().manual_seed(seed + 1)
-    batch["advantages"] = torch.where(act, torch.randn(act.shape, generator=g), 0.0)
-    batch["returns"] = torch.where(act, torch.randn(act.shape, generator=g), 0.0)
-    return batch
+    return rollout_batch(tok, model, value_head, c, seed, n_questions=2, n=2)[1]
 
 
 def _base_state(model) -> dict[str, torch.Tensor]:

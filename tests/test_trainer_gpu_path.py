@@ -17,7 +17,7 @@ import trainer.runs
 import trainer.sampling
 import search_env
 import train_min
-from helpers import ScriptedPolicy, make_cfg, randomise_lora_b
+from helpers import ScriptedPolicy, make_cfg, randomise_lora_b, rollout_batch
 
 CPU = torch.device("cpu")
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -44,19 +44,6 @@ def reset(loaded):
     for p in list(model.parameters()) + list(value_head.parameters()):
         p.grad = None
     return tok, model, value_head
-
-
-def rollout_batch(tok, model, value_head, cfg, seed=0, n_questions=3, n=2):
-    torch.manual_seed(seed)
-    suite = train_min.make_suite(cfg)
-    trajs = train_min.rollout(model, tok, suite, suite.train[:n_questions], cfg, n)
-    batch = train_min.collate(trajs, tok.pad_token_id, CPU)
-    train_min.score_batch(model, value_head, batch, cfg)
-    act = batch["turn_ids"] >= 0
-    g = torch.Generator().manual_seed(seed + 1)
-    batch["advantages"] = torch.where(act, torch.randn(act.shape, generator=g), 0.0)
-    batch["returns"] = torch.where(act, torch.randn(act.shape, generator=g), 0.0)
-    return trajs, batch
 
 
 def weights(model, tag):
