@@ -65,6 +65,7 @@ def sao_advantages(rewards: torch.Tensor, values: torch.Tensor, action_mask: tor
     return vapo_advantages(rewards, values, action_mask, alpha, critic_lam, whiten,
                            validate=validate)
 
+
 def _validate_sao_loss(logp, old_logp, advantages, turn_ids, eps_low, eps_high, num_tokens,
                        max_log_ratio) -> None:
     _validate_logps(logp, old_logp, turn_ids)
@@ -76,6 +77,7 @@ def _validate_sao_loss(logp, old_logp, advantages, turn_ids, eps_low, eps_high, 
     _check_positive("max_log_ratio", max_log_ratio, _CLAMP)
     if num_tokens is not None:
         _check_num_tokens(num_tokens, turn_ids >= 0)
+
 
 def sao_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
                     turn_ids: torch.Tensor, eps_low: float = 0.3, eps_high: float = 5.0,

@@ -73,6 +73,7 @@ def turn_ids_from_mask(action_mask: torch.Tensor) -> torch.Tensor:
     ids = torch.cumsum(starts.long(), dim=1) - 1                               # (B, T)
     return torch.where(act, ids, torch.full_like(ids, -1))
 
+
 def outcome_rewards(scores: torch.Tensor, turn_ids: torch.Tensor) -> torch.Tensor:
     """Place the outcome reward R(τ) of each row on its last action token (§3: 1{t=T} R(τ)).
 
@@ -114,6 +115,7 @@ def _td(rewards, values, act: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
     v, r = _masked(values, act, dtype), _masked(rewards, act, dtype)          # (B, T)
     return _masked(r + gamma * _next_action_value(v, act) - v, act, dtype)    # (B, T)
 
+
 def turn_residual_sums(delta: torch.Tensor, turn_ids: torch.Tensor, num_turns: int | None = None,
                        *, validate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """(M2): turn residuals δ^turn_t = Σ_i δ_{t,i}: the turn's TD residual as one macro-action.
@@ -146,6 +148,7 @@ def turn_gae(delta_turn: torch.Tensor, turn_mask: torch.Tensor, lam: float,
     d = _masked(delta_turn, mask, dtype)                                      # (B, K)
     decay = _masked(torch.full_like(d, _as_float(lam)), mask, dtype)          # λ between turns
     return _masked(reverse_scan(d, decay), mask, dtype)                       # (B, K)
+
 
 def intra_turn_traces(delta: torch.Tensor, turn_ids: torch.Tensor, lam_intra: float,
                       *, validate: bool = True) -> torch.Tensor:
@@ -220,6 +223,7 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> tor
     var = centred.pow(2).sum() / (n - 1).clamp(min=1)
     return centred * torch.rsqrt(var + eps)
 
+
 def mpo_advantages(rewards: torch.Tensor, values: torch.Tensor, turn_ids: torch.Tensor,
                    lam: float = 0.8, lam_intra: float = 0.95, beta: float = 1.0,
                    whiten: bool = True, *, num_turns: int | None = None,
@@ -262,6 +266,7 @@ def _own_token_ratio(log_ratio: torch.Tensor, rho: torch.Tensor) -> torch.Tensor
     exp(ℓ_{b,p} − sg(ℓ_{b,p})) (exp(0) = 1): the stop-gradient of (M6) and of GSPO-token."""
     return rho.detach() * torch.exp(log_ratio - log_ratio.detach())
 
+
 def turn_ratio(logp: torch.Tensor, old_logp: torch.Tensor, turn_ids: torch.Tensor,
                *, max_log_ratio: float = 20.0, validate: bool = True) -> torch.Tensor:
     """(M6): the stop-gradient turn ratio (§3), ρ̃_{t,i} = ρ_{t,i} · sg(Π_{j≠i} ρ_{t,j}).
@@ -282,6 +287,7 @@ def turn_ratio(logp: torch.Tensor, old_logp: torch.Tensor, turn_ids: torch.Tenso
     rho_turn = torch.exp(_gather_turn(S, turn_ids).clamp(-max_log_ratio, max_log_ratio))  # (B, T)
     # ρ̃_{t,i} = ρ_{t,i}·sg(Π_{j≠i} ρ_{t,j}) = sg(ρ_t)·exp(ℓ_{t,i} − sg(ℓ_{t,i})), the .detach()s:
     return _own_token_ratio(log_ratio, rho_turn)                              # (B, T)
+
 
 def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
                 turn_ids: torch.Tensor, clip_eps: float | None = None, ratio_level: str = "turn",
@@ -391,6 +397,7 @@ def turn_start_positions(turn_ids: torch.Tensor, num_turns: int | None = None, *
     mask = _per_turn_sum(starts.long(), turn_ids, K) > 0                      # (B, K)
     return out, mask
 
+
 def spread_turn_values(values_turn: torch.Tensor, turn_ids: torch.Tensor, *,
                        validate: bool = True) -> torch.Tensor:
     """A turn-boundary critic's V_{t,1} (B, K) on every token of turn t (B, T), 0 off turns: the
@@ -417,6 +424,7 @@ def _token_trace(delta: torch.Tensor, act: torch.Tensor, decay) -> torch.Tensor:
     a = torch.where(act, decay, torch.ones((), dtype=delta.dtype, device=delta.device))  # skip obs
     return _masked(reverse_scan(delta, a), act, delta.dtype)                  # (B, T)
 
+
 def token_gae(rewards: torch.Tensor, values: torch.Tensor, action_mask: torch.Tensor,
               lam: float = 0.95, gamma: float = 1.0, whiten: bool = True,
               *, validate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -438,6 +446,7 @@ def token_gae(rewards: torch.Tensor, values: torch.Tensor, action_mask: torch.Te
     if whiten:
         adv = masked_whiten(adv, act)
     return adv, returns
+
 
 def grpo_advantages(scores: torch.Tensor, group_ids: torch.Tensor, turn_ids: torch.Tensor,
                     eps: float = 1e-6, scale: bool = True, *,
@@ -471,6 +480,7 @@ PAPER_TURN_VALUE_STRUCTURE = {
     "between_exceeds_within_frac": 0.938, "boundary_share_sq_changes": 0.092,
     "boundary_jump_exceeds_span_frac": 0.224, "n_trajectories": 2048, "n_turns": 16323}
 
+
 def _row_value_structure(v: torch.Tensor, t: torch.Tensor, K: int) -> tuple:
     """One row's Appendix C numbers: v (n,) its values at action tokens, t (n,) their turns."""
     dv = v[1:] - v[:-1]
@@ -486,6 +496,7 @@ def _row_value_structure(v: torch.Tensor, t: torch.Tensor, K: int) -> tuple:
     return (between / (between + within), var_between / (var_between + var_within),
             between > within, float(dv[crossing].abs().mean()) > float(span),
             float((dv[crossing] ** 2).sum()), float((dv ** 2).sum()))
+
 
 def turn_value_structure(values, turn_ids) -> dict[str, float]:
     """The paper's Appendix C statistics: do the critic's values vary mainly between turns?
@@ -541,9 +552,11 @@ def reverse_scan(b: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
         d *= 2
     return x
 
+
 def _num_turns(turn_ids: torch.Tensor) -> int:
     """K, the most turns of any row (one host read)."""
     return int(turn_ids.max().clamp(min=-1)) + 1 if turn_ids.numel() else 0
+
 
 def _per_turn_sum(x: torch.Tensor, turn_ids: torch.Tensor, num_turns: int) -> torch.Tensor:
     """Σ of x over the tokens of each turn: (B, T) -> (B, K). Non-turn positions dropped."""
@@ -551,10 +564,12 @@ def _per_turn_sum(x: torch.Tensor, turn_ids: torch.Tensor, num_turns: int) -> to
     out = torch.zeros(x.shape[0], num_turns + 1, dtype=x.dtype, device=x.device)
     return out.scatter_add_(1, idx, x)[:, :num_turns]                        # (B, K)
 
+
 def _gather_turn(x_turn: torch.Tensor, turn_ids: torch.Tensor) -> torch.Tensor:
     """Broadcast a per-turn tensor (B, K) to the tokens of each turn (B, T); 0 off turns."""
     idx = torch.where(turn_ids >= 0, turn_ids, x_turn.shape[1])              # -1 -> spare column
     return torch.gather(F.pad(x_turn, (0, 1)), 1, idx)                       # (B, T)
+
 
 def _next_action_value(v: torch.Tensor, act: torch.Tensor) -> torch.Tensor:
     """V_next[b, p] = v at the first action position after p in row b, 0 if there is none."""
@@ -565,13 +580,16 @@ def _next_action_value(v: torch.Tensor, act: torch.Tensor) -> torch.Tensor:
     nxt = F.pad(first_from[:, 1:], (0, 1), value=T)                          # first > p
     return torch.gather(F.pad(v, (0, 1)), 1, nxt)                            # (B, T), 0 past end
 
+
 def _masked(x: torch.Tensor, act: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """x in dtype at action positions, 0 elsewhere (junk off the turns never enters a number)."""
     return torch.where(act, x.to(dtype), torch.zeros((), dtype=dtype, device=x.device))
 
+
 def _turn_starts(turn_ids: torch.Tensor) -> torch.Tensor:
     """(B, T) bool: True on the first token of each run of equal non-negative ids (a turn)."""
     return (turn_ids >= 0) & (turn_ids != F.pad(turn_ids[:, :-1], (1, 0), value=-1))
+
 
 def _spread(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """The sample standard deviation of x[mask] (0 for fewer than 2), with no host sync."""
@@ -579,8 +597,10 @@ def _spread(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     d = torch.where(mask, x - torch.where(mask, x, 0).sum() / n.clamp(min=1), 0)
     return torch.where(n > 1, (d.square().sum() / (n - 1).clamp(min=1)).sqrt(), 0)
 
+
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
+
 
 def _as_float(x) -> float:
     """A coefficient as a Python float without validation (numpy and 0-dim tensors too)."""
@@ -599,6 +619,7 @@ def _check_tensor(name, x, ref=None, dims=2, ref_name="turn_ids") -> None:
     if ref is not None and x.device != ref.device:
         raise ValueError(f"{name} is on {x.device} but {ref_name} is on {ref.device}")
 
+
 def _check_float(name: str, x: torch.Tensor, mask: torch.Tensor | None = None) -> None:
     """x is floating point and finite where mask is True (everywhere if mask is None)."""
     if not x.is_floating_point():
@@ -606,6 +627,7 @@ def _check_float(name: str, x: torch.Tensor, mask: torch.Tensor | None = None) -
     bad = ~torch.isfinite(x) if mask is None else ~torch.isfinite(x) & mask
     if bool(bad.any()):
         raise ValueError(f"{name} holds NaN or inf at {int(bad.sum())} action position(s)")
+
 
 def _check_turn_ids(turn_ids) -> int:
     """Check the turn layout (contiguous turns numbered 0, 1, ... per row); return K (0 if none)."""
@@ -632,6 +654,7 @@ def _check_turn_ids(turn_ids) -> int:
                          f"gaps (row {b} has runs numbered {runs[:8]})")
     return int(ids.max().clamp(min=-1)) + 1
 
+
 def _check_number(name: str, x, ok, what: str) -> float:
     """x as a Python float: a Python, numpy or 0-dim torch real number (not a bool)."""
     if isinstance(x, torch.Tensor):
@@ -646,11 +669,14 @@ def _check_number(name: str, x, ok, what: str) -> float:
         raise ValueError(f"{name} must be {what}, got {x!r}")
     return x
 
+
 def _check_unit(name: str, x) -> float:
     return _check_number(name, x, lambda v: 0.0 <= v <= 1.0, "a number in [0, 1]")
 
+
 def _check_positive(name: str, x, what: str = "> 0") -> float:
     return _check_number(name, x, lambda v: 0 < v < math.inf, what)
+
 
 def _check_num_tokens(num_tokens, act: torch.Tensor) -> None:
     """num_tokens: a whole number >= 1 and >= this batch's own action-token count."""
@@ -668,11 +694,13 @@ def _check_num_tokens(num_tokens, act: torch.Tensor) -> None:
         raise ValueError(f"num_tokens={num_tokens!r} is below this batch's own {int(act.sum())} "
                          "action tokens; pass the count of the whole (accumulated) batch")
 
+
 def _refuse_grad(why: str, **tensors) -> None:
     """ValueError for a tensor argument that requires grad (checked with validate=False too)."""
     for name, x in tensors.items():
         if isinstance(x, torch.Tensor) and x.requires_grad:
             raise ValueError(f"{name} requires grad, but {why}; pass {name}.detach()")
+
 
 def _validate_rewards_values(rewards, values, turn_ids) -> int:
     """Check (rewards, values, turn_ids) of the advantage functions; return K."""
@@ -687,6 +715,7 @@ def _validate_rewards_values(rewards, values, turn_ids) -> int:
                          "put a reward on the action token that earned it")
     return K
 
+
 def _validate_logps(logp, old_logp, turn_ids) -> None:
     _check_turn_ids(turn_ids)
     _check_tensor("logp", logp, turn_ids)
@@ -694,12 +723,14 @@ def _validate_logps(logp, old_logp, turn_ids) -> None:
     _check_float("logp", logp, turn_ids >= 0)
     _check_float("old_logp", old_logp, turn_ids >= 0)
 
+
 def _check_adv_turn(adv_turn, turn_ids, K: int, name: str = "adv_turn") -> None:
     """A per-turn tensor (B, >= K)."""
     _check_tensor(name, adv_turn)
     if adv_turn.shape[0] != turn_ids.shape[0] or adv_turn.shape[1] < K:
         raise ValueError(f"{name} must have shape ({turn_ids.shape[0]}, >= {K}), "
                          f"got {tuple(adv_turn.shape)}")
+
 
 def _validate_action_mask(rewards, values, action_mask) -> None:
     turn_ids_from_mask(action_mask)                                            # checks the mask

@@ -6,6 +6,7 @@ written before this file and before any run.
     python experiments/testbed_v4.py run --seeds 0 1 2   # the first seeds only
     python experiments/testbed_v4.py collect    # records of the runs finished so far
     python experiments/testbed_v4.py report     # tables and page sections from the raw file
+    python experiments/testbed_v4.py run --added   # the arm added after seed 0 (ADDED), after them
 
 Design (fixed before the runs):
 - Settings: K in {2, 4, 8} turns of L = 16 tokens, every turn's key counts (R = the fraction

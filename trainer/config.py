@@ -15,10 +15,12 @@ import torch
 class ConfigError(ValueError):
     """A bad flag, flag combination or run folder: train_min prints its message as one line."""
 
+
 def given_flags(argv: list[str]) -> set[str]:
     """The Config field names written on the command line: ["--n_val=4", "--seed", "1"] ->
     {"n_val", "seed"}."""
     return {a.lstrip("-").split("=")[0].replace("-", "_") for a in argv if a.startswith("--")}
+
 
 def parse_with_presets(config_cls, presets: dict, argv=None):
     """config_cls from the command line (default sys.argv), then the chosen preset's overrides
@@ -71,6 +73,7 @@ def parse_with_presets(config_cls, presets: dict, argv=None):
     check_config(cfg)                   # the preset's values are checked like the user's
     return cfg
 
+
 def sao_defaults(cfg, given: set[str]) -> None:
     """--variant sao, a labelled reconstruction (docs/baselines.md): one rollout per question and
     as many questions as the other variants' questions x rollouts (every source: one rollout per
@@ -105,6 +108,7 @@ NON_NEGATIVE = ("lora_layers", "beta", "value_clip", "vf_coef", "kl_coef", "cpu_
                 "critic_epochs", "micro_batch_tokens")         # 0: as --ppo_epochs; rows only
 
 UNIT_INTERVAL = ("lam", "lam_intra", "ppo_lam")
+
 
 def check_config(cfg) -> None:
     """Refuse counts, ranges and flag combinations that would crash later or run something other

@@ -32,6 +32,7 @@ class RunningMoments(torch.nn.Module):
     def standardise(self, x: torch.Tensor) -> torch.Tensor:                    # (..., H) float64
         return (x.double() - self.mean) / (self.m2 / self.count.clamp(min=1)).sqrt().clamp(1e-6)
 
+
 @torch.no_grad()
 def turn_features(model, ids, attn, turn_ids, layer: int, num_turns: int, upto: int = 0):
     """train_min's --critic turn: the frozen model's hidden state after `layer` decoder layers at
@@ -49,6 +50,7 @@ def turn_features(model, ids, attn, turn_ids, layer: int, num_turns: int, upto: 
     return x * mask[..., None], below                                # (B, K, H), (B, T, H)
 
 RIDGE_LAMBDAS = tuple(10.0 ** k for k in range(-1, 6))     # the offline probe's grid
+
 
 def ridge_loo(z: torch.Tensor, y: torch.Tensor, lambdas=RIDGE_LAMBDAS,
               groups: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
@@ -77,6 +79,7 @@ def ridge_loo(z: torch.Tensor, y: torch.Tensor, lambdas=RIDGE_LAMBDAS,
         if best is None or loo < best[0]:
             best = (loo, coef, lam)
     return best[1], best[2]
+
 
 class TurnValueHead(torch.nn.Module):
     """--critic turn (§12): V_{t,1} = w·z + b, z the frozen model's hidden state after `layer`

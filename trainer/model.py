@@ -21,6 +21,7 @@ TINY_MARKER = "mpo_tiny_model.json"   # in a built tiny model's folder: load its
 
 GPU_PRESETS = ("default", "qwen3_thinking")     # the runs that need a 24 GB GPU
 
+
 def setup_device(cfg) -> torch.device:
     """cfg.device (default: cuda if available), its CPU threads and GPU memory cap; exit 2 with
     one hint when the default (GPU) run finds no GPU. On a GPU the allocator grows expandable
@@ -42,6 +43,7 @@ def setup_device(cfg) -> torch.device:
         torch.cuda.set_per_process_memory_fraction(min(1.0, cfg.memory_cap_gb / total), index)
     return device
 
+
 def cpu_has_bf16(cpuinfo: str | Path = "/proc/cpuinfo") -> bool:
     """Whether this CPU multiplies bfloat16 matrices in hardware: x86 AVX512-BF16 or AMX-BF16,
     Arm's BF16 extension (Linux /proc/cpuinfo flags). False where the flags cannot be read:
@@ -52,6 +54,7 @@ def cpu_has_bf16(cpuinfo: str | Path = "/proc/cpuinfo") -> bool:
         return False
     return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
 
+
 def compute_dtype(cfg, device: torch.device) -> torch.dtype:
     """The base model's weights and matmuls: --dtype, or with auto bfloat16 on a GPU and on a
     CPU with bfloat16 units (cpu_has_bf16; SmolLM2's step ~2x faster there, docs/smol.md),
@@ -61,6 +64,7 @@ def compute_dtype(cfg, device: torch.device) -> torch.dtype:
         return getattr(torch, cfg.dtype)
     return torch.bfloat16 if device.type == "cuda" or cpu_has_bf16() else torch.float32
 
+
 def cpu_4bit_workaround(model) -> None:
     """bitsandbytes on CPU repacks 4-bit weights after an eval-mode forward, which then breaks
     backward (Qwen2) or silently corrupts LoRA gradients (Qwen3); see stack notes. GPUs: no-op."""
@@ -68,6 +72,7 @@ def cpu_4bit_workaround(model) -> None:
     for m in model.modules():
         if isinstance(m, bnb.nn.Linear4bit):
             m.support_avx512bf16_for_cpu = False
+
 
 def load_base_model(cfg, device: torch.device):
     """The tokenizer and the frozen base model of cfg.model on `device`: weights in the compute
@@ -102,6 +107,7 @@ def load_base_model(cfg, device: torch.device):
         base.activation_checkpointing_enable({"use_reentrant": False})   # torch.utils.checkpoint
     return tok, base
 
+
 def get_peft_model(base, lora, **kwargs):
     """peft.get_peft_model without the FutureWarning "`is_gradient_checkpointing` is deprecated"
     it printed on every run: peft 0.21's PeftModel.__init__ reads that transformers-5 deprecated
@@ -113,10 +119,12 @@ def get_peft_model(base, lora, **kwargs):
                                 category=FutureWarning)
         return peft_get_peft_model(base, lora, **kwargs)
 
+
 def first_adapted_layer(model) -> int:
     """Index of the lowest decoder layer carrying LoRA (0 unless --lora_layers is set)."""
     config = next(iter(model.peft_config.values()))          # all adapters share the layers
     return min(config.layers_to_transform or [0])
+
 
 @contextmanager
 def decoder_layers(model, lo: int, hi: int):
@@ -130,6 +138,7 @@ def decoder_layers(model, lo: int, hi: int):
         yield decoder
     finally:
         decoder.layers, decoder.norm = layers, norm
+
 
 @torch.no_grad()
 def frozen_states(model, ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor | None:
@@ -179,6 +188,7 @@ def load_tokenizer(path: str):
 # each chunk in backward (torch.utils.checkpoint) keeps one (256, V) chunk alive: ~0.16 GB each.
 LOGPROB_CHUNK = 256
 
+
 def chunk_logprobs(lm_head, h, targets, temperature: float, n_vocab: int):
     """log π(target | h) for rows h (n, H) over all V logit columns, ids >= n_vocab masked out,
     and the rows' summed entropy (a diagnostic: no gradient)."""
@@ -190,10 +200,12 @@ def chunk_logprobs(lm_head, h, targets, temperature: float, n_vocab: int):
         entropy = torch.special.entr(logp_all.exp()).sum()                    # Σ −p log p
     return logp_all.gather(1, targets[:, None]).squeeze(1), entropy            # (n,), ()
 
+
 def render_ids(tok, messages, enable_thinking: bool = False) -> list[int]:
     """The prompt's token ids through the chat template, ending with the assistant header."""
     return list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                         return_dict=False, enable_thinking=enable_thinking))
+
 
 def observation_ids(tok, messages, observation: str, last_action_id: int,
                     enable_thinking: bool = False) -> list[int]:
@@ -210,6 +222,7 @@ def observation_ids(tok, messages, observation: str, last_action_id: int,
     if ids and ids[0] == last_action_id:   # the model already emitted the end-of-turn token
         ids = ids[1:]
     return ids
+
 
 def micro_batches(rows: torch.Tensor, lengths: list[int], cfg) -> list[torch.Tensor]:
     """Split one minibatch's rows into micro-batches: longest rows first, each micro-batch taking

@@ -79,6 +79,7 @@ class RunLock:
             if d.exists() and not any(d.iterdir()):
                 d.rmdir()
 
+
 def pid_alive(pid: int) -> bool:
     """Is process `pid` running on this host?"""
     try:
@@ -89,9 +90,11 @@ def pid_alive(pid: int) -> bool:
         return True
     return True
 
+
 def data_order(n: int, seed: int, epoch: int) -> list[int]:
     """The question order of one pass over the training set: a function of (seed, epoch) only."""
     return np.random.default_rng([seed, epoch]).permutation(n).tolist()
+
 
 def questions_at(n: int, seed: int, start: int, count: int) -> list[int]:
     """The training questions at global positions start .. start + count − 1: position p is
@@ -101,10 +104,12 @@ def questions_at(n: int, seed: int, start: int, count: int) -> list[int]:
     orders = {e: data_order(n, seed, e) for e in range(start // n, (start + count - 1) // n + 1)}
     return [orders[p // n][p % n] for p in range(start, start + count)]
 
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+
 
 def rng_state() -> dict:
     state = {"python": random.getstate(), "numpy": np.random.get_state(),
@@ -112,6 +117,7 @@ def rng_state() -> dict:
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
+
 
 def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
@@ -122,6 +128,7 @@ def set_rng_state(state: dict) -> None:
 
 CHECKPOINT_FILES = ("adapters/policy/adapter_model.safetensors",   # the files of one checkpoint
                     "value_head.safetensors", "trainer_state.pt", "state.json")   # (+ critic's)
+
 
 def save_checkpoint(out: Path, model, value_head, opt, state: dict) -> Path:
     """Write the checkpoint to a temporary folder, then rename: a crash never leaves half of one.
@@ -139,6 +146,7 @@ def save_checkpoint(out: Path, model, value_head, opt, state: dict) -> Path:
     os.replace(tmp, final)
     write_whole(out / "checkpoints" / "latest", lambda tmp: tmp.write_text(final.name))
     return final
+
 
 def load_checkpoint(ckpt: Path, model, value_head, opt, restore_rng: bool = True) -> dict:
     """Restore adapters, value head, optimiser and RNG states; refuse an incomplete checkpoint."""
@@ -160,6 +168,7 @@ def load_checkpoint(ckpt: Path, model, value_head, opt, restore_rng: bool = True
         set_rng_state(trainer["rng"])
     return state
 
+
 def checkpoint_state(ckpt: Path) -> dict:
     """state.json of a checkpoint folder, after checking that every file is there and that its
     step is the folder's (step_000020 holds step 20); a ValueError says what is wrong."""
@@ -175,9 +184,11 @@ def checkpoint_state(ckpt: Path) -> dict:
         raise ValueError(f"checkpoint {ckpt}: state.json says step {step}, the folder another")
     return state
 
+
 def latest_checkpoint(out: Path) -> Path | None:
     pointer = out / "checkpoints" / "latest"
     return out / "checkpoints" / pointer.read_text().strip() if pointer.exists() else None
+
 
 def checkpoints_newest_first(out: Path) -> list[Path]:
     """The checkpoint folders of a run, highest step first. A folder is renamed into place only
@@ -185,6 +196,7 @@ def checkpoints_newest_first(out: Path) -> list[Path]:
     the pointer's update) is a whole checkpoint: it is preferred to the one `latest` names."""
     return sorted((p for p in (out / "checkpoints").glob("step_*")
                    if p.is_dir() and not p.name.endswith(".tmp")), reverse=True)
+
 
 def intact_checkpoints(out: Path) -> list[tuple[Path, dict]]:
     """(folder, state.json) of each complete checkpoint, newest first; a skipped one is printed."""
@@ -204,6 +216,7 @@ RESUME_MAY_CHANGE = ("steps",                                               # ru
                      "micro_batch_size", "micro_batch_tokens", "rollout_batch_size")  # memory
 
 RUN_FILES = ("config.json", "metrics.jsonl", "checkpoints", "tb")     # what a run writes
+
 
 def check_out_dir(cfg, config_cls) -> list[tuple[Path, dict]]:
     """Before anything is loaded or written: a new run refuses a folder holding another run's
@@ -244,6 +257,7 @@ def check_out_dir(cfg, config_cls) -> list[tuple[Path, dict]]:
                           f"run's {saved.get('preset_options')}; resume with the run's values")
     return intact
 
+
 def resume(intact: list[tuple[Path, dict]], model, value_head, opt) -> int:
     """--resume: restore the newest checkpoint that loads (adapters, value head, optimiser, RNG
     states), falling back to older ones with a message; return its step (0 for a new run)."""
@@ -266,6 +280,7 @@ def resume(intact: list[tuple[Path, dict]], model, value_head, opt) -> int:
 # What --eval_only takes from the command line; everything else from the evaluated run.
 EVAL_MAY_CHANGE = ("eval_only", "checkpoint", "eval_samples", "greedy_eval", "out_dir", "device",
                    "cpu_threads", "memory_cap_gb", "rollout_batch_size")
+
 
 def eval_config(cfg, argv: list[str], config_cls):
     """--eval_only: the config of the run that is evaluated (its seed picks the validation
@@ -308,6 +323,7 @@ def eval_config(cfg, argv: list[str], config_cls):
     run_cfg.resume = run_cfg.overwrite = False
     return run_cfg, ckpt
 
+
 class MetricsLog:
     """out/metrics.jsonl, one JSON row per step, and with `tensorboard` the same scalars in out/tb.
     A run starting at `step` > 0 (resumed) keeps the rows up to it; at 0 it starts a new file."""
@@ -335,6 +351,7 @@ class MetricsLog:
         if self.tb is not None:
             self.tb.close()
 
+
 def read_metrics(path: Path) -> list[dict]:
     """The rows of a metrics.jsonl; a torn line (a kill or a full disk mid-write) is skipped with
     a warning naming the file and line."""
@@ -350,6 +367,7 @@ def read_metrics(path: Path) -> list[dict]:
                   file=sys.stderr)
     return rows
 
+
 class StopFlag:
     """SIGTERM / SIGINT (preemption, Ctrl-C) set a flag; the loop checkpoints and exits cleanly."""
 
@@ -364,12 +382,14 @@ class StopFlag:
         print(f"\nsignal {signum}: finishing this step, then checkpointing", file=sys.stderr)
         self.stop = True
 
+
 def start_step(device: torch.device) -> float:
     """The clock at the start of a step (time.perf_counter); on a GPU, also restart the peak
     memory count that step_metrics reads."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     return time.perf_counter()
+
 
 def phase_timer(times: dict) -> Callable:
     """`phase(name, fn)` for train_min.train_step: runs fn() and records its wall-clock seconds
@@ -381,11 +401,13 @@ def phase_timer(times: dict) -> Callable:
         return result
     return timed
 
+
 def free_cached(device: torch.device) -> None:
     """Hand the allocator's cached, unused blocks back between phases on a GPU (rollout, update
     and evaluation allocate different shapes); rows_per_generate then sees them as free."""
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
 
 def step_metrics(step: int, trajs: list, n: int, batch: dict, stats: dict, times: dict,
                  device: torch.device) -> dict[str, float]:
@@ -406,6 +428,7 @@ def step_metrics(step: int, trajs: list, n: int, batch: dict, stats: dict, times
             "mem/peak_gb": (torch.cuda.max_memory_allocated() / 2**30
                             if device.type == "cuda" else float("nan"))}
 
+
 def sampler_gap(batch: dict) -> dict[str, float]:
     """How far the sampler (`generate`: KV cache, one-token kernels) is from the scorer whose
     log-probs are the behaviour policy of the update (`old_logp`: full-sequence forward), on the
@@ -422,6 +445,7 @@ def sampler_gap(batch: dict) -> dict[str, float]:
     return {"rollout/sampler_kl": float((log_r.exp() - 1 - log_r).mean()),
             "rollout/sampler_max_abs_logp_diff": float(log_r.abs().max())}
 
+
 def log_line(row: dict, stats: dict) -> str:
     """The one line printed per step."""
     # pass@1 counts episodes with reward > 0; with partial rewards (the testbed) the mean differs
@@ -435,6 +459,7 @@ def log_line(row: dict, stats: dict) -> str:
 
 PLOT_SCRIPT = Path(__file__).resolve().parents[1] / "experiments" / "grid.py"   # `compare`: curves
 
+
 def shown_path(path: Path) -> str:
     """`path` as a command line here would name it: relative to the working directory when it
     lies inside it, else absolute; quoted for the shell where needed."""
@@ -443,6 +468,7 @@ def shown_path(path: Path) -> str:
         return shlex.quote(str(path.relative_to(Path.cwd())))
     except ValueError:
         return shlex.quote(str(path))
+
 
 def run_summary(out: Path) -> str:
     """The lines that end a training run, read back from its metrics.jsonl: validation pass@1,
@@ -476,11 +502,13 @@ def run_summary(out: Path) -> str:
               f"{shown_path(out / 'report')}"]
     return "\n".join(lines)
 
+
 def pass_at_k(n: int, c: int, k: int) -> float:
     """Unbiased pass@k (Chen et al., 2021): 1 − C(n−c, k) / C(n, k), n samples, c correct."""
     if not 0 <= c <= n or not 1 <= k <= n:
         raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
     return 1.0 - math.comb(n - c, k) / math.comb(n, k) if n - c >= k else 1.0
+
 
 def pass_hat_k(n: int, c: int, k: int) -> float:
     """Unbiased pass^k: the chance that k samples (without replacement) all succeed,
@@ -488,6 +516,7 @@ def pass_hat_k(n: int, c: int, k: int) -> float:
     if not 0 <= c <= n or not 1 <= k <= n:
         raise ValueError(f"pass^k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
     return math.comb(c, k) / math.comb(n, k)
+
 
 def episode_stats(trajs: list, n: int, prefix: str) -> dict[str, float]:
     """pass@k and pass^k over each task's n episodes, and means over all episodes.
@@ -513,6 +542,7 @@ def episode_stats(trajs: list, n: int, prefix: str) -> dict[str, float]:
                                                          for t in trajs]))
     return out
 
+
 def write_outcomes(trajs: list, tasks: list, n: int, path: Path) -> None:
     """Per-episode outcomes of an evaluation as JSON lines (question, sample, reward, turns,
     malformed, answer, ...), written atomically (a crash leaves no half file), so runs can be
@@ -530,12 +560,14 @@ def write_outcomes(trajs: list, tasks: list, n: int, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     write_whole(path, lambda tmp: tmp.write_text("\n".join(lines) + "\n"))
 
+
 def write_whole(path: Path, write: Callable[[Path], object]) -> None:
     """write(tmp) to a file beside `path`, then rename it over `path`: a crash leaves the old file
     or the new one, whole, never half of one (evaluation outcomes, `latest`, experiments' caches)."""
     tmp = path.with_name(path.name + ".tmp")
     write(tmp)
     os.replace(tmp, path)
+
 
 def eval_only(ckpt: Path | None, model, value_head, evaluate: Callable[[str], dict],
               out: Path) -> dict:

@@ -19,12 +19,14 @@ class SampledVocab:
         scores[:, self.n:] = float("-inf")                                     # (B, V)
         return scores
 
+
 def sampled_vocab(model) -> int:
     """How many ids sampling may draw: the tokenizer's (train_min.load_model sets
     model.sampled_vocab). The embedding can have more rows (Qwen: 151,936 rows, 151,665 tokens; a
     model built with random weights for a memory check puts real mass on them): those are never
     sampled (SampledVocab) and get log-prob −inf, so the trained π is exactly the sampled one."""
     return getattr(model, "sampled_vocab", None) or model.get_output_embeddings().out_features
+
 
 def thinking_mode(tok, cfg) -> bool:
     """Does the policy reason in <think>…</think> before each action? Yes with --enable_thinking
@@ -45,6 +47,7 @@ def thinking_mode(tok, cfg) -> bool:
                           "(--preset qwen3_thinking sets 768)")
     return thinking
 
+
 def split_reasoning(text: str, thinking: bool) -> tuple[str, str]:
     """(reasoning, action) of one decoded turn: in thinking mode the action is what follows the
     first </think> ("" when the reasoning never closed); otherwise the whole turn is the action."""
@@ -53,11 +56,13 @@ def split_reasoning(text: str, thinking: bool) -> tuple[str, str]:
     reasoning, closed, action = text.partition("</think>")
     return (reasoning, action) if closed else (text, "")
 
+
 def turn_budget(cfg, thinking: bool) -> int:
     """Most tokens one assistant turn can take: its reasoning's budget, then the action's."""
     return cfg.max_new_tokens + (cfg.max_think_tokens if thinking else 0)
 
 GENERATE_MARGIN_GIB = 2.0   # left free during generate: allocator slack, kernels' workspaces
+
 
 def rows_per_generate(model, width: int, cfg, new_tokens: int) -> int:
     """Sequences per `generate` call: --rollout_batch_size, fewer on a GPU when their KV cache
@@ -82,6 +87,7 @@ def rows_per_generate(model, width: int, cfg, new_tokens: int) -> int:
     usable = free - GENERATE_MARGIN_GIB * 2**30
     return max(1, min(cfg.rollout_batch_size, int(usable) // per_row))
 
+
 def generation_config(tok, cfg, greedy: bool, max_new_tokens: int, stop_ids: list[int]):
     """Pure sampling from the model's softmax at --temperature (or greedy decoding): the hub's
     top_p / top_k / repetition_penalty defaults would make the behaviour policy differ from the
@@ -105,6 +111,7 @@ NEUTRAL_SAMPLING = {"top_p": (None, 1.0), "top_k": (None, 0), "repetition_penalt
                     "bad_words_ids": (None,), "sequence_bias": (None,), "min_new_tokens": (None, 0),
                     "suppress_tokens": (None,), "begin_suppress_tokens": (None,)}
 
+
 def check_generation_config(model, gen, cfg) -> None:
     """The config `generate` really uses (ours merged with the model's own generation_config, as
     transformers resolves it) samples the softmax at --temperature and nothing else; otherwise
@@ -120,6 +127,7 @@ def check_generation_config(model, gen, cfg) -> None:
             raise ConfigError(f"generate resolved {name}={value!r} (from {cfg.model}'s "
                               "generation_config?): sampling would differ from the π that is "
                               f"trained; it must be one of {neutral}")
+
 
 class TurnEnd:
     """Where one sampled turn ends, read one token at a time (cost linear in the turn's length):
@@ -180,6 +188,7 @@ class TurnEnd:
             self.done = self.cut = len(self.ids) - self.think_tokens >= self.budget
         return self.done
 
+
 def sampled_turn(row: list[int], stop_ids, tok, stop_strings: tuple[str, ...] = (),
                  thinking: bool = False) -> list[int]:
     """The ids the policy sampled in one row of `generate`'s output, replayed through TurnEnd:
@@ -188,6 +197,7 @@ def sampled_turn(row: list[int], stop_ids, tok, stop_strings: tuple[str, ...] = 
     until the whole batch stops; the pad is a stop id but was never sampled, so it must not
     become an action token (nor, with Qwen's pad <|endoftext|> != <|im_end|>, context)."""
     return TurnEnd(tok, stop_ids, stop_strings, thinking).feed(row).ids
+
 
 class TurnRecorder:
     """The stopping criterion and last logits processor of one `generate` call: feeds each row's
@@ -217,6 +227,7 @@ class TurnRecorder:
                     self.logp[b].append(lp[b])
             done.append(turn.done)
         return torch.tensor(done, device=input_ids.device)
+
 
 class Turn(list):
     """One sampled turn: its token ids (a list), whether a budget cut it (`cut`), and the
