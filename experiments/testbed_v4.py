@@ -181,8 +181,9 @@ def cell_table(records: list[dict]) -> str:
 
 
 def paired(records: list[dict], metric: str = "final") -> list[dict]:
-    """Every variant minus A and minus GRPO within each setting, paired by seed; Holm over all
-    of them (the section's family)."""
+    """Every variant minus A and minus GRPO within each setting, paired by seed. Tested (t-test,
+    Holm over the section's family) only once both cells hold every study seed, as designed:
+    a comparison on fewer seeds gets its paired mean ± SE and no p (`p` None)."""
     cells = cells_of(records)
     by = {(s, v, r["seed"]): r[metric] for (s, v), rs in cells.items() for r in rs}
     comps = []
@@ -196,8 +197,11 @@ def paired(records: list[dict], metric: str = "final") -> list[dict]:
                     continue
                 t = sig.paired_t([by[(setting, v, s)] for s in seeds],
                                   [by[(setting, ref, s)] for s in seeds])
+                if len(seeds) < len(SEEDS):
+                    t["p"] = None
                 comps.append({"setting": setting, "row": v, "ref": ref, **t})
-    for c, p in zip(comps, sig.holm([c["p"] for c in comps])):
+    tested = [c for c in comps if c["p"] is not None]
+    for c, p in zip(tested, sig.holm([c["p"] for c in tested])):
         c["p_holm"] = p
     return comps
 
@@ -211,8 +215,15 @@ def paired_table(comps: list[dict]) -> str:
             cells = [by.get((setting, v, ref)) for ref in ("mpo", "grpo")]
             if any(cells):
                 lines.append(f"| {setting} | {SHORT[v]} | "
-                             + " | ".join(sig.diff_cell(c) for c in cells) + " |")
+                             + " | ".join(cell(c) for c in cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def cell(c: dict | None) -> str:
+    """A comparison's cell: significance.diff_cell once tested, else "Δ ± SE (n seeds)"."""
+    if c is None or c["p"] is not None:
+        return sig.diff_cell(c)
+    return f"{sig.signed(c['mean'])} ± {100 * c['se']:.1f} ({c['n']} seeds, not yet tested)"
 
 
 def trend_table(records: list[dict]) -> str:
@@ -263,9 +274,12 @@ def added_table(records: list[dict], added: list[dict]) -> str:
                 theirs = {r["seed"]: r for r in cells.get((setting, ref), [])}
                 seeds = sorted(set(mine) & set(theirs))
                 if len(seeds) >= 2:
-                    comps.append({"arm": arm, "setting": setting, "ref": ref, **sig.paired_t(
-                        [mine[s]["final"] for s in seeds], [theirs[s]["final"] for s in seeds])})
-    for c, p in zip(comps, sig.holm([c["p"] for c in comps])):
+                    t = sig.paired_t([mine[s]["final"] for s in seeds],
+                                     [theirs[s]["final"] for s in seeds])
+                    t["p"] = t["p"] if len(seeds) == len(SEEDS) else None   # as `paired`
+                    comps.append({"arm": arm, "setting": setting, "ref": ref, **t})
+    tested = [c for c in comps if c["p"] is not None]
+    for c, p in zip(tested, sig.holm([c["p"] for c in tested])):
         c["p_holm"] = p
     by = {(c["arm"], c["setting"], c["ref"]): c for c in comps}
     lines = ["| arm | setting | seeds | final success | critic EV vs R, turn 0 / 1 / … | "
@@ -279,7 +293,7 @@ def added_table(records: list[dict], added: list[dict]) -> str:
                              f"{sig.mean_se([r['final'] for r in rs])} | "
                              f"{ev_turns(rs, SETTINGS[setting][0])} | "
                              f"{sig.mean_se([r['within_turn_share'] for r in rs], 1.0, 2)} | "
-                             + " | ".join(sig.diff_cell(by.get((arm, setting, ref)))
+                             + " | ".join(cell(by.get((arm, setting, ref)))
                                           for ref in ("mpo", "mpo_beta0")) + " |")
     return "\n".join(lines) + "\n"
 
@@ -300,7 +314,8 @@ def report(results: Path = RESULTS, out: Path | None = None) -> str:
         "advantage with its own verdict, mean over turns and policy updates; critic columns: the "
         "final critic on fresh validation episodes):\n", cell_table(records),
         "\n**The K-trend** (paired by seed, points, mean ± SE):\n", trend_table(records),
-        "\n**Paired by seed, final success** (Holm over this table's comparisons):\n",
+        "\n**Paired by seed, final success** (tested once both cells hold all "
+        f"{len(SEEDS)} seeds, Holm over those comparisons; before that, mean ± SE only):\n",
         paired_table(comps),
         *(["\n**Added after seed 0** (not in the design; " + "; ".join(
             f"{a}: {d}" for a, (_, _, d) in ADDED.items()) + "):\n",

@@ -92,7 +92,8 @@ def records() -> list[dict]:
     return out
 
 
-def test_paired_comparisons_within_each_setting_with_holm_over_the_section():
+def test_paired_comparisons_within_each_setting_with_holm_over_the_section(monkeypatch):
+    monkeypatch.setattr(v4, "SEEDS", (0, 1, 2))              # the records' seeds: all tested
     comps = v4.paired(records())
     assert len(comps) == 6                    # K2: C, GRPO − A; A, C − GRPO; K8: GRPO − A, A − GRPO
     by = {(c["setting"], c["row"], c["ref"]): c for c in comps}
@@ -173,3 +174,12 @@ def test_the_added_arm_is_a_at_cs_rates_kept_apart_from_the_planned_runs(tmp_pat
     # K2: arm − A = +0.1 on every seed (SE 0: p 1); arm − C = 0.0, 0.0, +0.1
     assert "| a_at_c_rates | v4-K2 | 3 | 60.0 ± 5.8 | 0.00 / 0.50 | 0.20 ± 0.00 | +10.0 ± 0.0" in table
     assert "| +3.3 ± 3.3 (0.423 → " in table
+
+
+def test_a_comparison_short_of_the_study_seeds_is_shown_but_not_tested(monkeypatch):
+    monkeypatch.setattr(v4, "SEEDS", (0, 1, 2, 3))           # the records hold seeds 0-2 only
+    comps = v4.paired(records())
+    assert comps and all(c["p"] is None and "p_holm" not in c for c in comps)
+    table = v4.paired_table(comps)
+    assert "| v4-K2 | GRPO | +33.3 ± 3.3 (3 seeds, not yet tested) | – |" in table
+    assert "**" not in table and table.count("→") == 2     # the header's two columns only
