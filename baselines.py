@@ -28,7 +28,7 @@ def vapo_advantages(rewards: torch.Tensor, values: torch.Tensor, action_mask: to
     """VAPO (Yue et al., 2025): (B1)'s token GAE with decoupled, length-adaptive λ (γ = 1).
 
     Policy: λ_b = 1 − 1/(α · l_b), l_b the row's action-token count, clamped to [0, 1]; critic:
-    λ = critic_lam (VAPO: 1.0, the Monte Carlo return); the rest: docs/api.md#vapo_advantages.
+    λ = critic_lam (VAPO: 1.0, the Monte Carlo return); the rest: docs/baselines.md.
     Args: rewards, values, action_mask as in `token_gae`; alpha α > 0 (VAPO: 0.05); critic_lam
     in [0, 1]. Returns: advantages (whitened if `whiten`), returns; (B, T), 0 off the mask.
     """
@@ -91,7 +91,7 @@ def sao_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torc
     (PPO's clip keeps one side per sign). In the band ∂L/∂logp = −ρ A / N, the gradient of the
     ports' −sg(f(ρ)) A log π; written as ρ A (TorchTrade's form), the loss value is the
     surrogate's. N counts all action tokens, masked ones too (twinkle, unsloth). Defaults
-    (0.3, 5.0): every port's (their reasoning setting; coding: (0.8, 3.0)). docs/api.md.
+    (0.3, 5.0): every port's (their reasoning setting; coding: (0.8, 3.0)). docs/baselines.md.
     Args: logp, old_logp, advantages, turn_ids as `policy_loss` (token-level: only turn_ids >= 0
     is read); eps_low ε_low in (0, 1); eps_high ε_high > 0; num_tokens N; max_log_ratio: the clamp
     before exp in the statistics. Returns: loss (0-dim), stats (clip_frac: share of masked action

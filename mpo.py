@@ -26,7 +26,7 @@ Layout: per-token tensors are (B, T); turn_ids[b, p] = k >= 0 on the tokens of r
 assistant turn (contiguous, numbered 0, 1, 2, ...), -1 elsewhere (prompt, observation, padding);
 values[b, p] is V of the prefix *before* token p, rewards[b, p] the reward right after it.
 float64 stays float64, other dtypes compute in float32; `validate=False` skips the checks (host
-reads; docs/api.md#conventions): the public functions check their input once, and
+reads; docs/equations.md#conventions): the public functions check their input once, and
 `mpo_advantages` composes the steps above it with their checks off (one path, one check).
 
 Usage:
@@ -194,7 +194,7 @@ def multiscale_lambda_returns(values: torch.Tensor, adv_turn: torch.Tensor,
     """Critic target G_{t,i} = V_{t,i} + A^intra_{t,i} + λ_intra^(L_t − i) · λ · A^turn_{t+1}.
 
     The λ_intra-return inside turn t, bootstrapped at its end from V_{t+1,1} + λ A^turn_{t+1}
-    (A^turn past the last turn is 0); independent of β. See docs/api.md#multiscale_lambda_returns.
+    (A^turn past the last turn is 0); independent of β. docs/equations.md, choice 1.
     Args: values, adv_intra (B, T); adv_turn (B, K); turn_ids (B, T); lam, lam_intra in [0, 1].
     """
     if validate:
@@ -232,7 +232,7 @@ def mpo_advantages(rewards: torch.Tensor, values: torch.Tensor, turn_ids: torch.
     """Algorithm 1: MPO advantages, (M1) → (M2) → (M3), (M4) → Eq. (20) → (M5) (§5).
 
     Defaults: the paper's reference setting (λ, λ_intra, β) = (0.80, 0.95, 1.00) (§7); β = 0 is
-    the "turn GAE only" ablation. See docs/api.md#mpo_advantages.
+    the "turn GAE only" ablation. Examples: tests/api_examples.md.
     Args: rewards, values (B, T) float (see `outcome_rewards`); turn_ids (B, T) int64; num_turns:
     a bound on any row's turn count (saves a host sync); critic_target: what `returns` holds, "mae"
     (values + A^MAE before whitening) or "lambda_return" (`multiscale_lambda_returns`, train_min's).
@@ -274,7 +274,7 @@ def turn_ratio(logp: torch.Tensor, old_logp: torch.Tensor, turn_ids: torch.Tenso
     Forward: every token of turn t carries ρ_t = exp Σ_j (logp − old_logp), the ratio of the
     turn the environment received. Backward: ∂ρ̃_{t,i}/∂logp_{t,i} = ρ_t, nothing to the
     turn's other tokens, so Eq. (20)'s centred corrections survive (a shared differentiable ρ_t
-    cancels them, §3). The clamp bounds ρ, not the loss: docs/api.md#turn_ratio.
+    cancels them, §3). The clamp bounds ρ, not the loss (docs/equations.md, choice 4).
     Args: logp, old_logp (B, T) current / behaviour log-probs; turn_ids (B, T) int64;
     max_log_ratio: clamp of a turn's log-ratio sum. Returns: ratio (B, T), ρ̃ on turns, else 1.
     """
@@ -298,7 +298,7 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
 
     A token mean over N action tokens; ratio_level picks ρ: "turn" ρ̃ of `turn_ratio` (MPO);
     "token" exp(logp − old_logp) (PPO, "MPO w/ token IS"); "sequence" (B3) GSPO-token with
-    s_b = exp(mean of the row's log-ratios); all own-token gradients (docs/api.md#policy_loss).
+    s_b = exp(mean of the row's log-ratios); all own-token gradients (docs/equations.md, 3-4).
     Args: logp, old_logp, advantages (B, T); turn_ids (B, T) int64; clip_eps ε (0.2; `GSPO_CLIP`
     for "sequence"); clip_eps_high ε_high (DAPO, default ε); dual_clip c > 1 caps a term with
     A < 0 at c·|A| (Ye et al., 2020); num_tokens N (the whole batch's, for micro-batches).
@@ -503,7 +503,7 @@ def turn_value_structure(values, turn_ids) -> dict[str, float]:
 
     The five shares of §1 and §3 over rows with >= 2 turns and non-constant values, and the counts
     n_trajectories, n_turns, n_single_turn, n_constant; the paper's: `PAPER_TURN_VALUE_STRUCTURE`.
-    values, turn_ids: (B, T), or lists of batches, pooled. See docs/api.md#turn_value_structure.
+    values, turn_ids: (B, T), or lists of batches, pooled. docs/equations.md, choice 13.
     """
     pooled = isinstance(values, (list, tuple)), isinstance(turn_ids, (list, tuple))
     if pooled[0] != pooled[1] or (pooled[0] and len(values) != len(turn_ids)):
@@ -543,7 +543,7 @@ def turn_value_structure(values, turn_ids) -> dict[str, float]:
 def reverse_scan(b: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
     """Solve x_i = b_i + a_i * x_{i+1} (x past the end = 0) along the last dimension: every GAE
     here (b the residual, a the decay from i to i + 1), by recursive doubling in ceil(log2 n)
-    steps (docs/api.md#reverse_scan). Example: b = [1, 1, 1], a = [.5, .5, .5] -> [1.75, 1.5, 1]."""
+    steps (docs/equations.md, choice 10). Example: b = [1, 1, 1], a = [.5, .5, .5] -> [1.75, 1.5, 1]."""
     x, a = b.clone(), a.expand_as(b).clone()
     n, d = b.shape[-1], 1
     while d < n:

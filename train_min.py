@@ -143,7 +143,7 @@ class Config:
                              "better: docs/equations.md) | mae (V + A^MAE)")
     critic: str = arg("token", "token: critic adapter + value head, V at every token | turn: "
                       "§12's turn-boundary critic, V_{t,1} only, a linear head on a frozen layer "
-                      "(MPO, β = 0; target V_{t,1} + A^turn_t; docs/api.md#spread_turn_values)")
+                      "(MPO, β = 0; target V_{t,1} + A^turn_t; mpo.spread_turn_values)")
     critic_layer: int = arg(0, "--critic turn: the frozen layer it reads (0: n_layers // 2 + 1, "
                             "SmolLM2's 16 of 30, the layer the offline probe chose)")
     critic_buffer: int = arg(4096, "--critic turn: the last N turn starts its ridge refit reads")

@@ -27,7 +27,7 @@ BARE_EQ = re.compile(r"\*\*\((\d+)\)|\((\d+)\)\s*[–-]\s*\((\d+)\)")         # 
 HEADING = re.compile(r"^#{1,6} (" + SIGN + r"\d+(?:\.\d+)*|Appendix [A-Z](?:\.\d+)*)(?=[\s:.,]|$)",
                      re.M)
 TABLE_ROW = re.compile(r"^\| (Eq\. \((\d+)\)|\(([MB]\d+)\)) \|.*\| `(\w+)` \|$", re.M)
-NUMBERED_FILES = ("mpo.py", "docs/equations.md", "docs/api.md", "tutorial/mpo_tutorial.py",
+NUMBERED_FILES = ("mpo.py", "docs/equations.md", "tests/api_examples.md", "tutorial/mpo_tutorial.py",
                   "tutorial/README.md")                   # where bare "(5)"-style numbers are banned
 
 
@@ -135,13 +135,13 @@ def test_equation_labels_are_defined_by_the_numbering_table():
 
 
 def test_each_label_is_named_by_its_function_in_mpo_and_the_docs():
-    """The docstring, the equations.md row and the api.md section of each function carry the label
-    the numbering table gives it, so mpo.py, equations.md and api.md number alike."""
+    """The docstring, the equations.md row and the tests/api_examples.md section of each function carry the label
+    the numbering table gives it, so mpo.py, equations.md and the API examples number alike."""
     table = numbering_table(PAPER.read_text())
     tree = ast.parse((ROOT / "mpo.py").read_text())
     docstrings = {f.name: ast.get_docstring(f) or "" for f in tree.body if isinstance(f, ast.FunctionDef)}
     equations = (ROOT / "docs" / "equations.md").read_text()
-    api = (ROOT / "docs" / "api.md").read_text()
+    api = (ROOT / "tests" / "api_examples.md").read_text()
     problems = []
     for label, func in table.items():
         if label not in docstrings.get(func, ""):
@@ -151,5 +151,5 @@ def test_each_label_is_named_by_its_function_in_mpo_and_the_docs():
             problems.append(f"docs/equations.md row of {func} lacks {label}")
         section = re.search(rf"^## `{func}`\n(.*?)(?=^## |\Z)", api, re.M | re.S)
         if section is None or label not in section.group(1):
-            problems.append(f"docs/api.md section of {func} lacks {label}")
+            problems.append(f"tests/api_examples.md section of {func} lacks {label}")
     assert not problems, "\n".join(problems)

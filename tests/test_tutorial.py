@@ -4,7 +4,7 @@ The tutorial asserts every number it prints, so exit code 0 means the worked exa
 derivations and the integration recipe still hold. The tests below run it once and check the
 numbers a reader checks by hand (whitening, the critic's targets, the shared-ratio gradient,
 clipping, the dual clip, the critic loss, the details that bite, the exercises), so that a
-deleted or weakened assert in the script cannot pass unnoticed; docs/api.md's examples run as
+deleted or weakened assert in the script cannot pass unnoticed; tests/api_examples.md's examples run as
 doctests."""
 
 from __future__ import annotations
@@ -196,14 +196,14 @@ def test_pseudocode_map_names_real_functions():
 
 
 def test_api_doc_examples_match_mpo(monkeypatch):
-    """docs/api.md's examples are doctests: each shown output is what mpo.py returns today."""
+    """tests/api_examples.md's examples (moved from docs/api.md) are doctests: each shown output is what mpo.py returns today."""
     import doctest
 
     monkeypatch.syspath_prepend(str(ROOT))
-    result = doctest.testfile(str(ROOT / "docs" / "api.md"), module_relative=False,
+    result = doctest.testfile(str(ROOT / "tests" / "api_examples.md"), module_relative=False,
                               optionflags=doctest.NORMALIZE_WHITESPACE, verbose=False)
-    assert result.attempted > 30, f"only {result.attempted} examples found in docs/api.md"
-    assert result.failed == 0, f"{result.failed} of {result.attempted} docs/api.md examples failed (see output)"
+    assert result.attempted > 30, f"only {result.attempted} examples found in tests/api_examples.md"
+    assert result.failed == 0, f"{result.failed} of {result.attempted} tests/api_examples.md examples failed (see output)"
 
 
 def test_equations_page_names_the_file_that_defines_each_function():
@@ -220,13 +220,13 @@ def test_equations_page_names_the_file_that_defines_each_function():
 
 
 def test_api_reference_signatures_match_mpo():
-    """Every `## \\`name\\`` section of docs/api.md opens with the function's exact signature."""
+    """Every `## \\`name\\`` section of tests/api_examples.md opens with the function's exact signature."""
     import inspect
     sys.path.insert(0, str(ROOT))
     import baselines
     import diagnostics
     import mpo
-    text = (ROOT / "docs" / "api.md").read_text()
+    text = (ROOT / "tests" / "api_examples.md").read_text()
     sections = re.findall(r"^## `(\w+)`\n\n```python\n(.+?)\n```", text, re.M)
     assert len(sections) >= 17
     for name, documented in sections:

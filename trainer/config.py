@@ -159,7 +159,7 @@ def check_config(cfg) -> None:
         raise ConfigError(f"--critic turn with --beta {cfg.beta}: a turn critic's intra-turn "
                           "residuals are 0 but at each turn's end, so Eq. (20) would move credit "
                           "by position alone: use --variant mpo_beta0 or --beta 0 "
-                          "(docs/api.md#spread_turn_values)")
+                          "(mpo.spread_turn_values)")
     if cfg.critic_layer < 0:
         raise ConfigError(f"--critic_layer must be >= 0 (0: the middle layer), got "
                           f"{cfg.critic_layer}")

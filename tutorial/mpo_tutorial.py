@@ -344,7 +344,7 @@ assert bool((ret_lam[act] <= 1 + 1e-12).all())
 # reports why: on the project's CPU testbed, over 5 paired seeds, the λ-return critic explained
 # more of the outcome than the `mae` one. Section 6 therefore passes
 # `critic_target="lambda_return"`; `mpo.py` keeps `"mae"` as its default because its documented
-# API (docs/api.md) fixes `returns = values + A^MAE` for it.
+# API (`mpo_advantages`) fixes `returns = values + A^MAE` for it.
 
 # %%
 pos = torch.arange(T)
