@@ -298,10 +298,9 @@ def added_table(records: list[dict], added: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def report(results: Path = RESULTS, out: Path | None = None) -> str:
-    """table.md beside the results and the page sections, from the raw file."""
+def report(results: Path = RESULTS) -> str:
+    """The page sections (docs/testbed.md's tables, docs/results.md's K-trend), from the raw file."""
     records, added = load(results), load(results, added=True)
-    out = out or results.parent
     comps = paired(records)
     rel = results.relative_to(ROOT / "docs")
     body = "\n".join([
@@ -320,8 +319,6 @@ def report(results: Path = RESULTS, out: Path | None = None) -> str:
         *(["\n**Added after seed 0** (not in the design; " + "; ".join(
             f"{a}: {d}" for a, (_, _, d) in ADDED.items()) + "):\n",
            added_table(records, added)] if added else [])])
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "table.md").write_text("# Testbed v4: several decisive turns, tables\n\n" + body)
     grid.update_page(grid.TESTBED_PAGE, PAGE_SECTION, body)
     grid.update_page(SUMMARY_PAGE, SUMMARY_SECTION, trend_table(records))
     print(body)

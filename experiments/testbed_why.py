@@ -380,7 +380,8 @@ def summary_table(records: list[dict], finals: list[dict]) -> str:
 
 
 def report(results: Path = RESULTS, out: Path | None = None) -> str:
-    """table.md beside the results, the page section and the curves figure, from the raw file."""
+    """The page sections and the curves figure (into `out`, default: beside the results), from the
+    raw file."""
     records = load(results)
     out = out or results.parent
     main = [r for r in records if r["seed"] in SEEDS and r["arm"] in ARMS]
@@ -411,7 +412,6 @@ def report(results: Path = RESULTS, out: Path | None = None) -> str:
         text += ["\n" + reproduction_line(records) + "\n"]
     body = "\n".join(text)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "table.md").write_text("# Why MPO lost at d = 1, L = 16: tables\n\n" + body)
     curves(main, out / "curves.png")
     grid.update_page(grid.TESTBED_PAGE, PAGE_SECTION, body)
     grid.update_page(SUMMARY_PAGE, SUMMARY_SECTION, summary_table(main, finals))
