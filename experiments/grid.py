@@ -1018,9 +1018,11 @@ def cells_of(records: list[dict]) -> dict[tuple[str, str], list[dict]]:
     return cells
 
 
-def comparisons(records: list[dict], ref: str = "mpo", metric: str = "final") -> list[dict]:
+def comparisons(records: list[dict], ref: str = "mpo", metric: str = "final",
+                holm_p: bool = True) -> list[dict]:
     """Every (setting, variant ≠ ref) minus ref on `metric`, paired by seed, with the paired t-test
-    and the Holm-adjusted p over exactly these comparisons (the page's family)."""
+    and the Holm-adjusted p over exactly these comparisons (the page's family; holm_p=False: the
+    caller adjusts over a larger family)."""
     by = {(r["setting"], r["variant"], r["seed"]): r[metric] for r in records}
     out = []
     for (setting, variant), rs in cells_of(records).items():
@@ -1030,7 +1032,7 @@ def comparisons(records: list[dict], ref: str = "mpo", metric: str = "final") ->
         x = [by[(setting, variant, s)] for s in seeds]
         a = [by[(setting, ref, s)] for s in seeds]
         out.append({"setting": setting, "variant": variant, **paired_t(x, a)})
-    for c, p in zip(out, holm([c["p"] for c in out])):
+    for c, p in zip(out, holm([c["p"] for c in out]) if holm_p else ()):
         c["p_holm"] = p
     return out
 
@@ -1105,7 +1107,9 @@ SHORT = {"mpo": "A: MPO", "mpo_token_is": "B: token IS", "mpo_beta0": "C: β = 0
 
 def row_name(setting: str) -> str:
     """A setting's row in the page's compact tables: "v2-L8" -> "L = 8", "stream-L4" ->
-    "streaming L = 4", "v3-d1-L16" -> "d = 1, L = 16"."""
+    "streaming L = 4", "v3-d1-L16" -> "d = 1, L = 16", "v4-K2" -> "v4: K = 2"."""
+    if setting in MAP_SHORT:
+        return MAP_SHORT[setting]
     parts = setting.split("-")
     L = parts[-1][1:]
     if parts[0] == "stream":
@@ -1170,22 +1174,34 @@ def provenance_summary(records: list[dict]) -> str:
 
 MAP_REGIMES = (("v2", "no verdict (v2)"), ("v3-d2", "verdict 2 turns on (v3, d = 2)"),
                ("v3-d1", "verdict at the next boundary (v3, d = 1)"),
+               ("v4-K4-nofb", "4 decisive turns, no verdict (v4 control; tuned, warm-up)"),
+               ("v4-K2", "2 decisive turns, verdict at each boundary (v4; tuned, warm-up)"),
+               ("v4-K4", "4 decisive turns, verdict at each boundary (v4; tuned, warm-up)"),
+               ("v4-K8", "8 decisive turns, verdict at each boundary (v4; tuned, warm-up)"),
                ("stream", "streaming, 1-token turns (§11)"))
 MAP_SHORT = {"v2": "v2: no verdict", "v3-d2": "v3: d = 2", "v3-d1": "v3: d = 1",
-             "stream": "streaming"}
+             "v4-K4-nofb": "v4: K = 4, no verdict", "v4-K2": "v4: K = 2", "v4-K4": "v4: K = 4",
+             "v4-K8": "v4: K = 8", "stream": "streaming"}
 MAP_BASELINES = ("ppo", "grpo", "vapo", "sao", "mpo_token_is", "mpo_beta0")
+V4_RESULTS = ROOT / "docs" / "testbed" / "v4" / "results.json"
+# The Holm family of each study, as its design fixed it before the runs: v2, v3 and streaming in
+# one family of A − X comparisons (the map's own); v4 its page's family, every variant against A
+# and against GRPO in each setting (docs/testbed.md, v4 design), of which the map shows the A − X.
+MAP_FAMILIES = {"v4": ("mpo", "grpo")}
+
+
+def map_regime(r: dict) -> str:
+    """A record's row group in the map: its regime, or for v4 its setting (K and the verdicts)."""
+    return r["setting"] if r["regime"] == "v4" else r["regime"]
 
 
 def map_records(paths=None) -> list[dict]:
-    """The raw records the map reads: every committed testbed results file (v2 and v3), each
-    record checked for integrity (check_record)."""
+    """The raw records the map reads: every committed testbed results file (v2, v3 and v4's
+    planned runs, not its added arms), each record checked for integrity (check_record)."""
     records = []
-    for path in paths or (V2_RESULTS, V3_RESULTS):
+    for path in paths or (V2_RESULTS, V3_RESULTS, V4_RESULTS):
         if Path(path).exists():
-            rs = json.loads(Path(path).read_text())["runs"]
-            for r in rs:
-                check_record(r, path)
-            records += rs
+            records += [r for r in load_records(Path(path)) if not r.get("arm")]
     return records
 
 
@@ -1218,9 +1234,17 @@ def map_comparisons(records: list[dict], ref: str = "mpo") -> list[dict]:
     (X − A) with the sign turned, so positive means MPO ahead; Holm over all of the map's cells
     (one family: a larger one than each study's page table, so its Holm p are larger)."""
     regimes = [r for r, _ in MAP_REGIMES]
-    keep = [r for r in complete(records) if r["regime"] in regimes
+    keep = [r for r in complete(records) if map_regime(r) in regimes
             and r["variant"] in (ref, *MAP_BASELINES)]
-    comps = comparisons(keep, ref)
+    comps = []
+    for family in {r["regime"] if r["regime"] in MAP_FAMILIES else "" for r in keep}:
+        rs = [r for r in keep if (r["regime"] if r["regime"] in MAP_FAMILIES else "") == family]
+        found = []
+        for base in MAP_FAMILIES.get(family, (ref,)):
+            found += [dict(c, ref=base) for c in comparisons(rs, base, holm_p=False)]
+        for c, p in zip(found, holm([c["p"] for c in found])):
+            c["p_holm"], c["family"], c["family_size"] = p, family, len(found)
+        comps += [c for c in found if c["ref"] == ref and c["variant"] in MAP_BASELINES]
     for c in comps:
         c["mean"], c["t"] = -c["mean"], -c["t"]
         c["verdict"] = ("win" if c["mean"] > 0 else "loss") if c["p_holm"] < ALPHA else "tie"
@@ -1242,8 +1266,8 @@ def map_critic_cells(records: list[dict], setting: str, variant: str = "mpo") ->
 def map_rows(records: list[dict]) -> list[tuple[str, str, int]]:
     """(setting, regime, L) of the map's rows: regimes in MAP_REGIMES' order, L ascending."""
     order = [r for r, _ in MAP_REGIMES]
-    rows = {(r["setting"], r["regime"], r["turn_len"]) for r in complete(records)
-            if r["regime"] in order}
+    rows = {(r["setting"], map_regime(r), r["turn_len"]) for r in complete(records)
+            if map_regime(r) in order}
     return sorted(rows, key=lambda row: (order.index(row[1]), row[2]))
 
 
@@ -1275,18 +1299,26 @@ def map_table(records: list[dict], ref: str = "mpo", compact: bool = False) -> s
             row.append(f"**{text}**" if c["verdict"] != "tie" else text)
         lines.append("| " + " | ".join(row) + " |")
     n = len(comps)
+    sizes = {c["family"]: c["family_size"] for c in comps.values()}
+    if len(sizes) > 1:                      # v4 tested in its own family, as its design fixed
+        over = (f"Holm p < {ALPHA:g} within each study's family (v2, v3, streaming: the "
+                f"{sizes['']} A − X comparisons; v4: its page's {sizes['v4']}, against A and GRPO)")
+    else:
+        over = f"Holm p < {ALPHA:g} over all {n} comparisons"
     wins = sum(c["verdict"] == "win" for c in comps.values())
     losses = sum(c["verdict"] == "loss" for c in comps.values())
     if compact:
         lines += ["", f"Final success, MPO minus each baseline, points (10 seeds, paired); win / "
-                  f"loss (bold): Holm p < {ALPHA:g} over all {n} comparisons, else tie. d: turns "
+                  f"loss (bold): {over}, else tie. d: turns "
                   "until the verdict on turn 0 shows. Critic: A's, its EV of the outcome on later "
                   "turns / share of its variance between turns (paper: 0.895)."]
     else:
         lines += ["", f"Final success, MPO (A) minus each baseline, percentage points (mean ± SE "
-                  f"over seeds, paired by seed); in brackets the Holm p over all {n} comparisons "
-                  f"of this table; win / loss (bold): MPO ahead / behind with Holm p < {ALPHA:g}; "
-                  f"tie: no difference that survives. {wins} wins, {losses} losses, "
+                  f"over seeds, paired by seed); in brackets the Holm p"
+                  + (f"; win / loss (bold): MPO ahead / behind with {over}; " if len(sizes) > 1
+                     else f" over all {n} comparisons of this table; win / loss (bold): MPO "
+                     f"ahead / behind with Holm p < {ALPHA:g}; ")
+                  + f"tie: no difference that survives. {wins} wins, {losses} losses, "
                   f"{n - wins - losses} ties. B: MPO with token-level IS; C: MPO with β = 0 "
                   "(ablations). The critic columns: A's trained critic on 128 fresh episodes (mean "
                   "over seeds); streaming: on the logical turns."]
@@ -1299,7 +1331,9 @@ def map_summary(records: list[dict], ref: str = "mpo") -> str:
     """The map in words, one line per baseline: where MPO won, lost and tied (generated, so the
     page's prose cannot disagree with its table)."""
     comps = {(c["setting"], c["variant"]): c for c in map_comparisons(records, ref)}
-    names = {"v2": "v2", "v3-d2": "v3 d = 2", "v3-d1": "v3 d = 1", "stream": "streaming"}
+    names = {"v2": "v2", "v3-d2": "v3 d = 2", "v3-d1": "v3 d = 1", "stream": "streaming",
+             **{st: st.replace("-", " ").replace("K", "K = ").replace("nofb", "no verdict")
+                for st, _ in MAP_REGIMES if st.startswith("v4")}}
     phrases = {"win": "wins in", "loss": "loses in", "tie": "ties in"}
     lines = []
     for v in MAP_BASELINES:

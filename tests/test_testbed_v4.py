@@ -183,3 +183,28 @@ def test_a_comparison_short_of_the_study_seeds_is_shown_but_not_tested(monkeypat
     table = v4.paired_table(comps)
     assert "| v4-K2 | GRPO | +33.3 ± 3.3 (3 seeds, not yet tested) | – |" in table
     assert "**" not in table and table.count("→") == 2     # the header's two columns only
+
+
+def test_the_map_tests_v4_in_its_own_family_as_its_page_does(monkeypatch):
+    """The map's v4 rows (issue 53) carry the v4 page's Holm p (the family its design fixed:
+    every variant against A and against GRPO), and adding them leaves the other studies' map
+    cells as they were (their family is theirs)."""
+    monkeypatch.setattr(v4, "SEEDS", (0, 1, 2))
+    monkeypatch.setattr(grid, "MAP_SEEDS", 3)
+    page = {(c["setting"], c["row"]): c for c in v4.paired(records()) if c["ref"] == "mpo"}
+    other = [dict(r, setting="v3-d1-L16", regime="v3-d1", turn_len=16,
+                  final=r["final"] + 0.01 * r["seed"] ** 2) for r in records()
+             if r["setting"] == "v4-K2"]
+    alone = {(c["setting"], c["variant"]): c for c in grid.map_comparisons(other)}
+    both = {(c["setting"], c["variant"]): c for c in grid.map_comparisons(other + records())}
+    assert {k for k in both if k[0].startswith("v4")} == set(page)
+    for k, c in page.items():
+        assert both[k]["mean"] == pytest.approx(-c["mean"])           # the map shows A − X
+        assert both[k]["p_holm"] == c["p_holm"]
+        assert both[k]["family_size"] == 6
+    for k, c in alone.items():
+        assert both[k]["p_holm"] == c["p_holm"] and both[k]["family_size"] == 2
+    rows = grid.map_rows(other + records())
+    assert [r[1] for r in rows] == ["v3-d1", "v4-K2", "v4-K8"]
+    md = grid.map_table(other + records(), compact=True)
+    assert "| v4: K = 8 | 16 |" in md and "v4: its page's 6, against A and GRPO" in md
