@@ -52,7 +52,7 @@ def test_v3_records_with_unsaved_uncommitted_changes():
     assert all(r["seed"] == 0 for r in at_5d17)
     assert f"code `5d17d8b` ({len(at_5d17)} seed-0 records" in page("docs/records/testbed.md")
     assert f"{len(lost)} of them with uncommitted changes whose diffs were not saved" in \
-        page("docs/results.md")
+        page("docs/records/results.md")
 
 
 def test_results_holm_p_of_the_grpo_loss_at_d1_l16():
