@@ -702,26 +702,17 @@ def _refuse_grad(why: str, **tensors) -> None:
             raise ValueError(f"{name} requires grad, but {why}; pass {name}.detach()")
 
 
-def _validate_rewards_values(rewards, values, turn_ids) -> int:
+def _validate_rewards_values(rewards, values, turn_ids, num_turns: int | None = None) -> int:
     """Check (rewards, values, turn_ids) of the advantage functions; return K."""
-    K = _check_turn_ids(turn_ids)
-    _check_tensor("rewards", rewards, turn_ids)
-    _check_tensor("values", values, turn_ids)
-    act = turn_ids >= 0
-    _check_float("rewards", rewards, act)
-    _check_float("values", values, act)
-    if bool(((rewards != 0) & ~act).any()):
+    K = _validate_tokens(turn_ids, num_turns, rewards=rewards, values=values)
+    if bool(((rewards != 0) & (turn_ids < 0)).any()):
         raise ValueError("rewards must be 0 off action positions (turn_ids == -1); "
                          "put a reward on the action token that earned it")
     return K
 
 
 def _validate_logps(logp, old_logp, turn_ids) -> None:
-    _check_turn_ids(turn_ids)
-    _check_tensor("logp", logp, turn_ids)
-    _check_tensor("old_logp", old_logp, turn_ids)
-    _check_float("logp", logp, turn_ids >= 0)
-    _check_float("old_logp", old_logp, turn_ids >= 0)
+    _validate_tokens(turn_ids, logp=logp, old_logp=old_logp)
 
 
 def _check_adv_turn(adv_turn, turn_ids, K: int, name: str = "adv_turn") -> None:
@@ -772,10 +763,7 @@ def _check_beta(beta) -> float:
 
 def _validate_mae_projection(adv_turn, adv_intra, turn_ids, beta) -> float:
     beta = _check_beta(beta)
-    K = _check_turn_ids(turn_ids)
-    _check_tensor("adv_intra", adv_intra, turn_ids)
-    _check_adv_turn(adv_turn, turn_ids, K)
-    _check_float("adv_intra", adv_intra, turn_ids >= 0)
+    _check_adv_turn(adv_turn, turn_ids, _validate_tokens(turn_ids, adv_intra=adv_intra))
     return beta
 
 
@@ -783,9 +771,7 @@ def _validate_mpo_advantages(rewards, values, turn_ids, lam, lam_intra, beta, nu
     """The checked (lam, lam_intra, beta) and num_turns (K when None)."""
     lam, lam_intra = _check_unit("lam", lam), _check_unit("lam_intra", lam_intra)
     beta = _check_beta(beta)
-    K = _validate_rewards_values(rewards, values, turn_ids)
-    if num_turns is not None and num_turns < K:
-        raise ValueError(f"num_turns={num_turns} but turn_ids holds {K} turns")
+    K = _validate_rewards_values(rewards, values, turn_ids, num_turns)
     return lam, lam_intra, beta, K if num_turns is None else num_turns
 
 
@@ -804,9 +790,7 @@ def _validate_grpo(scores, group_ids, turn_ids) -> None:
 
 def _validate_policy_loss(logp, old_logp, advantages, turn_ids, clip_eps, clip_eps_high,
                           dual_clip, num_tokens, max_log_ratio) -> None:
-    _validate_logps(logp, old_logp, turn_ids)
-    _check_tensor("advantages", advantages, turn_ids)
-    _check_float("advantages", advantages, turn_ids >= 0)
+    _validate_tokens(turn_ids, logp=logp, old_logp=old_logp, advantages=advantages)
     _check_positive("clip_eps", clip_eps)
     if clip_eps_high is not None:
         _check_positive("clip_eps_high", clip_eps_high)
