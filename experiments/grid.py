@@ -1313,8 +1313,8 @@ def map_table(records: list[dict], ref: str = "mpo", compact: bool = False) -> s
                   "until the verdict on turn 0 shows. Critic: A's, its EV of the outcome on later "
                   "turns / share of its variance between turns (paper: 0.895)."]
     else:
-        lines += ["", f"Final success, MPO (A) minus each baseline, percentage points (mean ± SE "
-                  f"over seeds, paired by seed); in brackets the Holm p"
+        lines += ["", "Final success, MPO (A) minus each baseline, percentage points (mean ± SE "
+                  "over seeds, paired by seed); in brackets the Holm p"
                   + (f"; win / loss (bold): MPO ahead / behind with {over}; " if len(sizes) > 1
                      else f" over all {n} comparisons of this table; win / loss (bold): MPO "
                      f"ahead / behind with Holm p < {ALPHA:g}; ")
