@@ -106,6 +106,19 @@ def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
     return argv[:i], argv[i + 1:]
 
 
+def study_parser(doc: str | None, seeds, out: str, results: Path) -> argparse.ArgumentParser:
+    """The command line every testbed study shares: `run | collect | report`, --seeds (the
+    study's by default), --workers, --out (run folders), --results (the committed raw file)."""
+    ap = argparse.ArgumentParser(description=doc,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("cmd", choices=("run", "collect", "report"))
+    ap.add_argument("--seeds", type=int, nargs="+", default=list(seeds))
+    ap.add_argument("--workers", type=int, default=2, choices=(1, 2))
+    ap.add_argument("--out", type=Path, default=Path(out))
+    ap.add_argument("--results", type=Path, default=results)
+    return ap
+
+
 def mean_std(xs: list, scale: float = 100.0, digits: int = 1, missing: str = "–") -> str:
     """'mean ± sample std' of the finite values, scaled (percent by default); one value: itself.
 

@@ -27,7 +27,6 @@ resumed where a run stopped (grid.run_jobs); each sitting records its commit, CP
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -330,15 +329,9 @@ def report(results: Path = RESULTS) -> str:
 def main(argv=None) -> str | None:
     argv = sys.argv[1:] if argv is None else argv
     own, extra = grid.split_argv(argv)
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("cmd", choices=("run", "collect", "report"))
-    ap.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS))
+    ap = grid.study_parser(__doc__, SEEDS, "runs/testbed-v4", RESULTS)
     ap.add_argument("--added", action="store_true",
                     help="run the added arms (ADDED) instead of the planned runs")
-    ap.add_argument("--workers", type=int, default=2, choices=(1, 2))
-    ap.add_argument("--out", type=Path, default=Path("runs/testbed-v4"))
-    ap.add_argument("--results", type=Path, default=RESULTS)
     args = ap.parse_args(own)
     if bad := [s for s in args.seeds if s not in SEEDS]:
         raise SystemExit(f"testbed_v4.py: --seeds {bad} are not study seeds (0-9)")

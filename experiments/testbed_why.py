@@ -31,7 +31,6 @@ resumed where a run stopped (experiments/grid.py's run_jobs).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -470,15 +469,8 @@ def curves(records: list[dict], path: Path) -> Path:
 def main(argv=None) -> str | None:
     argv = sys.argv[1:] if argv is None else argv
     own, extra = grid.split_argv(argv)
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("cmd", choices=("run", "collect", "report"))
+    ap = grid.study_parser(__doc__, SEEDS, "runs/testbed-why", RESULTS)   # --seeds: mechanisms'
     ap.add_argument("--phase", choices=("mechanisms", "tuning", "tuned", "all"), default="all")
-    ap.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS),
-                    help="study seeds of the mechanism phase (default 0-9)")
-    ap.add_argument("--workers", type=int, default=2, choices=(1, 2))
-    ap.add_argument("--out", type=Path, default=Path("runs/testbed-why"))
-    ap.add_argument("--results", type=Path, default=RESULTS)
     args = ap.parse_args(own)
     out = args.out.resolve()
     cache = (out / "cache").resolve()
