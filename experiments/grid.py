@@ -1488,37 +1488,27 @@ def testbed_v2(args, argv: list[str], extra: list[str]) -> str:
     --report_only only the report, from the --results file; with --collect the records of the
     runs finished so far (a grid still running, or stopped), then the report; with --merge the
     records already in --results for runs not found here are kept (merge_records)."""
-    kept = 0
-    if args.collect:
+    if args.collect or not args.report_only:
         args.cache = (args.cache or args.out / "cache").resolve()
         args.out = args.out.resolve()
-        records = collect_v2(args.out)
+        planned, t0 = len(v2_jobs(args, extra)), time.perf_counter()
+        if not args.collect:
+            print(f"output in {args.out}; raw results to {args.results}", flush=True)
+            run_jobs(v2_jobs(args, extra), args.workers)
+        records, kept = collect_v2(args.out), 0
         earlier = earlier_info(args.results) if args.merge else None
         if args.merge:
             records, kept = merge_records(args.results, records)
+        # collect: planned and partial; run: its wall time and workers (the info keys of each)
+        info = ({"planned": planned, "kept_from_file": kept, "partial": len(records) < planned}
+                if args.collect else
+                {"kept_from_file": kept, "wall_min": (time.perf_counter() - t0) / 60})
+        machine = f"{platform.machine()}, {os.cpu_count()} CPUs"
         write_results(args.results, {
             "command": "python experiments/grid.py " + " ".join(argv), "runs": len(records),
-            "planned": len(v2_jobs(args, extra)), "kept_from_file": kept,
-            "partial": len(records) < len(v2_jobs(args, extra)), "commit": git_commit(),
+            **info, "commit": git_commit(),
             "run_min_total": sum(r["wall_s"] or 0 for r in records) / 60,
-            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
-            "python": platform.python_version(), "earlier": earlier}, records)
-    elif not args.report_only:
-        args.cache = (args.cache or args.out / "cache").resolve()
-        args.out = args.out.resolve()
-        jobs = v2_jobs(args, extra)
-        print(f"output in {args.out}; raw results to {args.results}", flush=True)
-        t0 = time.perf_counter()
-        run_jobs(jobs, args.workers)
-        records = collect_v2(args.out)
-        earlier = earlier_info(args.results) if args.merge else None
-        if args.merge:
-            records, kept = merge_records(args.results, records)
-        write_results(args.results, {
-            "command": "python experiments/grid.py " + " ".join(argv), "runs": len(records),
-            "kept_from_file": kept, "wall_min": (time.perf_counter() - t0) / 60,
-            "commit": git_commit(), "run_min_total": sum(r["wall_s"] or 0 for r in records) / 60,
-            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {args.workers} workers",
+            "machine": machine + ("" if args.collect else f", {args.workers} workers"),
             "python": platform.python_version(), "earlier": earlier}, records)
     return v2_report(args.results, args.report_dir)
 
