@@ -41,7 +41,7 @@ def test_v3_within_turn_share_of_a_per_row():
               for d, L in ((1, 16), (1, 64), (2, 16), (2, 64))]
     text = ", ".join(f"{s:.1f}" for s in shares)
     assert f"(A: {text} % at d = 1 L = 16, d = 1 L = 64, d = 2 L = 16, d = 2 L = 64)" in \
-        page("docs/testbed.md")
+        page("docs/records/testbed.md")
 
 
 def test_v3_records_with_unsaved_uncommitted_changes():
