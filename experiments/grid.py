@@ -1413,6 +1413,8 @@ def write_map() -> str:
 
 TESTBED_PAGE = ROOT / "docs" / "testbed.md"
 PAGE_SECTIONS = {V2_RESULTS: "v2-tables", V3_RESULTS: "v3-tables"}   # generated parts of the page
+RECORD_TABLES = {V2_RESULTS: ROOT / "docs" / "records" / "testbed" / "v2-tables.md",
+                 V3_RESULTS: ROOT / "docs" / "records" / "testbed" / "v3-tables.md"}
 
 
 def update_page(page: Path, name: str, text: str) -> bool:
@@ -1430,7 +1432,8 @@ def update_page(page: Path, name: str, text: str) -> bool:
 def v2_report(results: Path, out: Path | None = None) -> str:
     """The v2 tables from a raw results file: mean ± SE per cell, paired differences from A with
     the paired t-test's p and the Holm-adjusted p, §11's criterion, and the gates; writes
-    table.md (and curves.png) into `out` (default: next to the results file)."""
+    table.md (and curves.png) into `out` (default: next to the results file; for the committed
+    v2 and v3 files the full tables go to their record page, RECORD_TABLES, issue 52)."""
     data = json.loads(Path(results).read_text())
     records, info = data["runs"], data.get("info", {})
     if not records:
@@ -1461,9 +1464,18 @@ def v2_report(results: Path, out: Path | None = None) -> str:
            "action tokens and on those after the first (logical) turn; between-turn share "
            "(median over episodes) and boundary share of squared value changes: "
            "mpo.turn_value_structure of that critic (Appendix C).\n\n" + v2_gates_table(records))
+    record = None if out else RECORD_TABLES.get(Path(results).resolve())
     out = Path(out) if out else Path(results).parent
     out.mkdir(parents=True, exist_ok=True)
-    (out / "table.md").write_text(md)
+    if record:
+        record.write_text(f"# Testbed {Path(results).parent.name}: the full tables (generated)\n\n"
+                          "Written by `python experiments/grid.py testbed "
+                          f"--{Path(results).parent.name} --report_only` from "
+                          f"[the raw file](../../testbed/{Path(results).parent.name}/results.json);"
+                          " the page's compact tables: [docs/testbed.md](../../testbed.md).\n\n"
+                          + md)
+    else:
+        (out / "table.md").write_text(md)
     if section := PAGE_SECTIONS.get(Path(results).resolve()):    # the page's numbers: from here
         update_page(TESTBED_PAGE, section, page_tables(records))
         write_map()                                   # the map reads both studies' raw files
