@@ -47,6 +47,7 @@ STEPS = grid.V2_STEPS                               # policy updates, as v3
 SEEDS = tuple(range(10))
 TUNE_SEEDS = (100, 101, 102)
 WARMUP = 30      # critic-only updates: v3's A critic first reached EV 0.5 (vs its target) at ~30
+RECORD_TABLES = ROOT / "docs" / "records" / "testbed" / "why-tables.md"
 RESULTS = ROOT / "docs" / "testbed" / "why" / "results.json"
 PAGE_SECTION = "why-tables"
 
@@ -410,9 +411,20 @@ def report(results: Path = RESULTS, out: Path | None = None) -> str:
     if any(r["arm"] == "control" for r in records):
         text += ["\n" + reproduction_line(records) + "\n"]
     body = "\n".join(text)
+    # The page: the arms with their tests and the gap's split; every table in full: the record.
+    compact = "\n".join([text[0], "**Arms** (final success, mean ± SE over seeds 0–9; AUC; each "
+                          "minus control A and control GRPO, paired by seed, Holm p; every table "
+                          "in full, with the critic columns, AUC tests and tuning: [the record]"
+                          "(records/testbed/why-tables.md)):\n",
+                          summary_table(main, finals), text[7], text[8],
+                          *(["\n" + reproduction_line(records) + "\n"]
+                            if any(r["arm"] == "control" for r in records) else [])])
     out.mkdir(parents=True, exist_ok=True)
     curves(main, out / "curves.png")
-    grid.update_page(grid.TESTBED_PAGE, PAGE_SECTION, body)
+    if results.resolve() == RESULTS.resolve():           # the committed study: its record page
+        RECORD_TABLES.write_text("# Why MPO lost at d = 1, L = 16: the full tables (generated)\n\n"
+                                 + body.replace("](testbed/", "](../../testbed/"))
+    grid.update_page(grid.TESTBED_PAGE, PAGE_SECTION, compact)
     grid.update_page(SUMMARY_PAGE, SUMMARY_SECTION, summary_table(main, finals))
     print(body)
     return body

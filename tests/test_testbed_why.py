@@ -139,8 +139,12 @@ def test_report_writes_the_tables_and_the_page_section(tmp_path, monkeypatch):
     assert "| the gap: GRPO − A | 3 | +33.3 ± 3.3 | +16.7 ± 1.7 |" in body   # 0.3, 0.4, 0.3
     assert "| λ_intra 0.95 → 1: A(λ_intra = 1) − A | 3 | +20.0 ± 5.8 | +10.0 ± 2.9 |" in body
     assert "C(warm-up)" not in body                       # no such runs: no line
-    assert page.read_text() == ("a\n<!-- why-tables:start -->\n" + body
-                                + "<!-- why-tables:end -->\nb\n")
+    section = page.read_text().split("<!-- why-tables:start -->\n")[1].split("<!-- why-tables:")[0]
+    assert section.startswith(body.split("\n")[0])         # provenance, then the compact tables
+    assert summary.read_text().split("start -->\n")[1].split("<!--")[0] in section
+    gap = body[body.index("**The gap split"):body.index("**Tuning**")]
+    assert gap.strip() in section and "**Tuning**" not in section      # the rest: the record
+    assert "(records/testbed/why-tables.md)" in section
     assert (results.parent / "curves.png").exists()
     assert not (results.parent / "table.md").exists()     # the page is the table (issue 52)
     comps = {(c["row"], c["ref"]): c for c in why.paired(

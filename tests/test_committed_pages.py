@@ -1,0 +1,46 @@
+"""The committed pages hold exactly what the studies' reports generate from the committed raw
+files (issues 52, 53): docs/testbed.md's why-tables and v4-tables sections, docs/results.md's
+why-summary and v4-summary, and the why study's full tables in docs/records/testbed/. A raw
+file, a report or a page edited alone fails here. The reports are run with their writes
+captured, so nothing in the checkout changes."""
+import re
+from pathlib import Path
+
+from experiments import grid
+from experiments import testbed_v4 as v4
+from experiments import testbed_why as why
+
+
+def section(page: Path, name: str) -> str:
+    m = re.search(rf"<!-- {name}:start -->\n(.*?)<!-- {name}:end -->", page.read_text(), re.S)
+    assert m, f"{page} has no {name} section"
+    return m.group(1)
+
+
+def captured(monkeypatch, tmp_path) -> dict:
+    written = {}
+    monkeypatch.setattr(grid, "update_page",
+                        lambda page, name, text: written.setdefault((Path(page), name), text))
+    monkeypatch.setattr(why, "curves", lambda records, path: path)
+    monkeypatch.setattr(why, "RECORD_TABLES", tmp_path / "why-tables.md")
+    return written
+
+
+def test_the_why_study_pages_are_its_report(monkeypatch, tmp_path, capsys):
+    written = captured(monkeypatch, tmp_path)
+    why.report()
+    assert set(written) == {(grid.TESTBED_PAGE, why.PAGE_SECTION),
+                            (why.SUMMARY_PAGE, why.SUMMARY_SECTION)}
+    for (page, name), text in written.items():
+        assert section(page, name) == text, f"{page.name}: {name} is stale"
+    committed = grid.ROOT / "docs" / "records" / "testbed" / "why-tables.md"
+    assert committed.read_text() == (tmp_path / "why-tables.md").read_text()
+
+
+def test_the_v4_study_pages_are_its_report(monkeypatch, tmp_path, capsys):
+    written = captured(monkeypatch, tmp_path)
+    v4.report()
+    assert set(written) == {(grid.TESTBED_PAGE, v4.PAGE_SECTION),
+                            (v4.SUMMARY_PAGE, v4.SUMMARY_SECTION)}
+    for (page, name), text in written.items():
+        assert section(page, name) == text, f"{page.name}: {name} is stale"
