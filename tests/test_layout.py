@@ -56,3 +56,15 @@ def test_the_trainer_stays_one_readable_file_and_the_readme_five_minutes():
     long = [i + 1 for i, line in enumerate(lines) if len(line) > 100]
     assert not long, f"train_min.py lines over 100 characters: {long}"
     assert len((ROOT / "README.md").read_text()) <= 8000
+
+
+def test_the_docs_a_newcomer_reads_stay_short():
+    """Issue 52: the markdown under docs/ outside docs/records/ (the dated lab records), generated
+    tables included, at most 130 KB; mpo.py's first equation (M1) within its first 120 lines."""
+    pages = [p for p in (ROOT / "docs").rglob("*.md") if "records" not in p.parts]
+    size = sum(p.stat().st_size for p in pages)
+    assert size <= 130_000, f"{size} bytes: move dated records to docs/records/ " + str(
+        sorted((p.stat().st_size, str(p.relative_to(ROOT))) for p in pages)[-3:])
+    first = next(i for i, line in enumerate((ROOT / "mpo.py").read_text().splitlines())
+                 if line.startswith("def token_td_residuals"))
+    assert first < 120, first
