@@ -421,7 +421,7 @@ def main(argv=None) -> None:
     r.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3])
     r.add_argument("--variants", nargs="+", choices=sorted(LABELS), help="default: the stage's")
     rep = sub.add_parser("report", help="tables from the committed results")
-    rep.add_argument("--out", type=Path, default=ROOT / "docs" / "smol" / "hops_tables.md")
+    rep.add_argument("--out", type=Path, default=ROOT / "docs" / "records" / "smol" / "hops_tables.md")
     rep.add_argument("--ref", default="mpo", choices=sorted(LABELS),
                      help="the setting every other is compared with (default mpo, A)")
     dif = sub.add_parser("diff", help="two evaluations' per-question files compared")
