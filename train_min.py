@@ -228,6 +228,12 @@ class Config:
         return self.spec.critic
 
     @property
+    def returns_target(self) -> str:
+        """The critic's regression target: --critic_target, or for --critic turn (β = 0) the turn
+        λ-return V_{t,1} + A^turn_t, which is "mae" (mpo.spread_turn_values)."""
+        return "mae" if self.critic == "turn" else self.critic_target
+
+    @property
     def critic_only_steps(self) -> int:
         """The first updates train the critic alone (the policy adapter gets no gradient and no
         optimiser step): the critic warm-up, and VAPO's value pretraining."""
@@ -243,7 +249,10 @@ def parse_config(argv=None) -> Config:
 
 # --- Model: 4-bit base, "policy" and "critic" LoRA adapters, value head ------------------------
 class ValueHead(nn.Module):
-    """V(prefix) from the critic adapter's last hidden state: one linear layer, kept in float32."""
+    """V(prefix) from the critic adapter's last hidden state: one linear layer, kept in float32.
+    The token critic: its methods below are the interface --critic turn's TurnValueHead shares
+    (trainer/critics.py), so the trainer holds either without asking which."""
+    kind = "token"
 
     def __init__(self, hidden: int):
         super().__init__()
@@ -253,6 +262,33 @@ class ValueHead(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return self.linear(h.float()).squeeze(-1)                              # (B, T)
+
+    def param_groups(self, named, cfg) -> list[dict]:   # the critic adapter and this head
+        if not cfg.uses_critic:
+            return []
+        return [{"params": [p for n, p in named if ".critic." in n], "lr": cfg.lr_critic},
+                {"params": list(self.parameters()), "lr": cfg.lr_value_head}]
+
+    def epochs(self, cfg) -> int:
+        return (cfg.critic_epochs or cfg.ppo_epochs) if cfg.uses_critic else 0
+
+    def begin(self, batch, num_turns: int, hidden: int) -> None:
+        pass
+
+    def features(self, model, batch, micro, ids, attn, turn_ids, num_turns: int):
+        return frozen_states(model, ids, attn)                  # None unless --lora_layers
+
+    def values(self, model, ids, attn, frozen, cfg):
+        if not cfg.uses_critic:
+            return None
+        use_adapter(model, "critic")
+        return token_values(model, self, ids, attn, frozen)                     # (m, w)
+
+    def finish(self, batch, values):
+        return values
+
+    def after_update(self, batch) -> dict[str, float]:
+        return {}                           # trained by gradient, in update's epochs
 
 
 def load_model(cfg: Config, device: torch.device):
@@ -486,16 +522,11 @@ def score_batch(model, value_head, batch, cfg: Config) -> None:
     old_logp, values = torch.zeros(shape, device=batch["ids"].device), None     # (B, T)
     ref_logp = torch.zeros_like(old_logp) if cfg.kl_coef > 0 else None
     batch["frozen"], K = None, int(batch["turn_ids"].max()) + 1
-    if cfg.critic == "turn":            # the frozen state before each turn: (B, K, H)
-        batch["turn_x"] = old_logp.new_zeros(shape[0], K, model.config.hidden_size)
+    value_head.begin(batch, K, model.config.hidden_size)       # (--critic turn: (B, K, H))
     for micro in (m for mb in batch["plan"] for m in mb):
         ids, attn, tid, _ = micro_inputs(batch, micro)
         width = ids.shape[1]
-        if cfg.critic == "turn":            # the critic's layer and frozen_states' in one pass
-            batch["turn_x"][micro], h = turn_features(model, ids, attn, tid, value_head.layer, K,
-                                                      upto=first_adapted_layer(model))
-        else:
-            h = frozen_states(model, ids, attn)       # None unless --lora_layers
+        h = value_head.features(model, batch, micro, ids, attn, tid, K)   # frozen layers' output
         if h is not None:
             if batch["frozen"] is None:
                 batch["frozen"] = h.new_zeros(*shape, h.shape[-1])                # (B, T, H)
@@ -503,9 +534,7 @@ def score_batch(model, value_head, batch, cfg: Config) -> None:
         use_adapter(model, "policy")
         old_logp[micro, :width] = token_logprobs(model, ids, attn, tid >= 0, cfg.temperature,
                                                  h)[0]
-        if cfg.critic == "token" and cfg.uses_critic:
-            use_adapter(model, "critic")
-            v = token_values(model, value_head, ids, attn, h)                   # (m, w)
+        if (v := value_head.values(model, ids, attn, h, cfg)) is not None:     # (m, w)
             if values is None:
                 values = torch.zeros(shape, dtype=v.dtype, device=v.device)
             values[micro, :width] = v
@@ -513,9 +542,7 @@ def score_batch(model, value_head, batch, cfg: Config) -> None:
             with model.disable_adapter():
                 ref_logp[micro, :width] = token_logprobs(model, ids, attn, tid >= 0,
                                                          cfg.temperature, h)[0]
-    if cfg.critic == "turn":            # §12: V_{t,1} on every token of turn t
-        value_head.stats.observe(batch["turn_x"][mpo.turn_start_positions(batch["turn_ids"], K)[1]])
-        values = mpo.spread_turn_values(value_head(batch["turn_x"]), batch["turn_ids"])
+    values = value_head.finish(batch, values)      # --critic turn: V_{t,1} on turn t's tokens
     batch["old_logp"] = old_logp
     batch["values"] = values if values is not None else torch.zeros_like(old_logp)
     if ref_logp is not None:
@@ -530,8 +557,7 @@ def compute_advantages(batch, cfg: Config) -> None:
     if estimator == "mpo":                                           # MPO: Eq. (20) advantages
         adv, ret = mpo.mpo_advantages(rewards, values, turn_ids, lam=cfg.lam,
                                       lam_intra=cfg.lam_intra, beta=cfg.beta,  # turn: λ-return
-                                      critic_target="mae" if cfg.critic == "turn" else
-                                      cfg.critic_target)
+                                      critic_target=cfg.returns_target)
     elif estimator == "vapo":                       # VAPO: critic λ = 1, policy λ length-adaptive
         adv, ret = baselines.vapo_advantages(rewards, values, turn_ids >= 0, alpha=cfg.vapo_alpha)
     elif estimator == "sao":                        # SAO: VAPO's estimator at α = 1.5
@@ -548,9 +574,7 @@ def compute_advantages(batch, cfg: Config) -> None:
 def make_optimizer(model, value_head, cfg: Config):
     named = list(model.named_parameters())
     groups = [{"params": [p for n, p in named if ".policy." in n], "lr": cfg.lr_policy}]
-    if cfg.critic == "token" and cfg.uses_critic:   # (--critic turn: refitted, no gradient)
-        groups += [{"params": [p for n, p in named if ".critic." in n], "lr": cfg.lr_critic},
-                   {"params": list(value_head.parameters()), "lr": cfg.lr_value_head}]
+    groups += value_head.param_groups(named, cfg)   # (--critic turn: none, refitted instead)
     return torch.optim.AdamW(groups, weight_decay=0.0)
 
 
@@ -609,8 +633,7 @@ def update(model, value_head, opt, batch, cfg: Config, step: int = 0) -> dict[st
     policy_params, *critic_groups = opt.param_groups
     policy_params = policy_params["params"]
     critic_params = [p for g in critic_groups for p in g["params"]]
-    critic_epochs = ((cfg.critic_epochs or cfg.ppo_epochs)       # --critic turn: refit below
-                     if cfg.uses_critic and cfg.critic == "token" else 0)
+    critic_epochs = value_head.epochs(cfg)            # --critic turn: 0, refitted below
     totals, counts = {}, {}
     plan = batch.get("plan") or minibatch_plan(batch, cfg)
     for epoch in range(max(cfg.ppo_epochs, critic_epochs)):
@@ -643,12 +666,8 @@ def update(model, value_head, opt, batch, cfg: Config, step: int = 0) -> dict[st
             for name, value in stats.items():
                 totals[name] = totals.get(name, 0.0) + value
                 counts[name] = counts.get(name, 0) + 1
-    if cfg.critic == "turn":            # §12: the head refitted on V_{t,1} + A^turn_t, closed form
-        pos, mask = mpo.turn_start_positions(batch["turn_ids"], batch["turn_x"].shape[1])
-        g, v = (batch[k].gather(1, pos)[mask] for k in ("returns", "values"))      # (N,)
-        totals["value_loss"], counts["value_loss"] = float(0.5 * ((v - g) ** 2).mean()), 1
-        totals["critic_lambda"], counts["critic_lambda"] = value_head.refit(
-            batch["turn_x"][mask], g), 1              # value_loss: before the refit, new turns
+    for name, value in value_head.after_update(batch).items():   # --critic turn: the refit
+        totals[name], counts[name] = value, 1
     return {**{name: total / counts[name] for name, total in totals.items()},
             "policy_updated": float(train_policy)}
 

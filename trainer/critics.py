@@ -1,13 +1,15 @@
 """§12's turn critic: the features of a frozen layer at each turn's start (`turn_features`), their
 running moments, ridge regression with leave-one-out λ (`ridge_loo`) and the head refitted in
 closed form every update (`TurnValueHead`). The token critic (a LoRA adapter and a linear value
-head) is train_min.py's own."""
+head) is train_min.py's own `ValueHead`; both heads are the trainer's critic object, with one
+interface (kind, param_groups, epochs, begin, features, values, finish, after_update),
+so train_min.py never asks which critic it holds."""
 from __future__ import annotations
 
 import torch
 
 import mpo
-from trainer.model import decoder_layers, lower_continued
+from trainer.model import decoder_layers, first_adapted_layer, lower_continued
 
 
 class RunningMoments(torch.nn.Module):
@@ -105,6 +107,44 @@ class TurnValueHead(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:                         # (..., H) -> (...)
         return self.linear(self.stats.standardise(x).float()).squeeze(-1)
+
+    # --- the trainer's critic interface (train_min.ValueHead has the same) ---
+    kind = "turn"
+
+    def param_groups(self, named, cfg) -> list[dict]:
+        return []                           # refitted in closed form, no gradient
+
+    def epochs(self, cfg) -> int:
+        return 0
+
+    def begin(self, batch, num_turns: int, hidden: int) -> None:
+        """The frozen state before each turn, (B, K, H), filled micro-batch by micro-batch."""
+        batch["turn_x"] = torch.zeros(batch["ids"].shape[0], num_turns, hidden,
+                                      device=batch["ids"].device)
+
+    def features(self, model, batch, micro, ids, attn, turn_ids, num_turns: int):
+        """This micro-batch's turn-start features and the frozen layers' output (or None), in one
+        pass through the frozen layers."""
+        batch["turn_x"][micro], h = turn_features(model, ids, attn, turn_ids, self.layer,
+                                                  num_turns, upto=first_adapted_layer(model))
+        return h
+
+    def values(self, model, ids, attn, frozen, cfg):
+        return None                         # read once per batch, in finish
+
+    def finish(self, batch, values):
+        """§12: V_{t,1} on every token of turn t (mpo.spread_turn_values), (B, T)."""
+        K = batch["turn_x"].shape[1]
+        self.stats.observe(batch["turn_x"][mpo.turn_start_positions(batch["turn_ids"], K)[1]])
+        return mpo.spread_turn_values(self(batch["turn_x"]), batch["turn_ids"])
+
+    def after_update(self, batch) -> dict[str, float]:
+        """The head refitted on V_{t,1} + A^turn_t at the batch's turn starts, closed form;
+        value_loss before the refit, on these new turns."""
+        pos, mask = mpo.turn_start_positions(batch["turn_ids"], batch["turn_x"].shape[1])
+        g, v = (batch[k].gather(1, pos)[mask] for k in ("returns", "values"))      # (N,)
+        value_loss = float(0.5 * ((v - g) ** 2).mean())
+        return {"value_loss": value_loss, "critic_lambda": self.refit(batch["turn_x"][mask], g)}
 
     @torch.no_grad()
     def refit(self, x: torch.Tensor, g: torch.Tensor,          # (N, H) turn starts, (N,) targets
