@@ -1,4 +1,4 @@
-"""experiments/critic_offline.py's pieces that need no model: the split by question, the
+"""experiments/smol/critic_offline.py's pieces that need no model: the split by question, the
 reference's features, explained variance, the report and the command line's checks."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 spec = importlib.util.spec_from_file_location("critic_offline",
-                                              ROOT / "experiments" / "critic_offline.py")
+                                              ROOT / "experiments" / "smol" / "critic_offline.py")
 co = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(co)
 

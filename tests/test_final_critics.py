@@ -1,4 +1,4 @@
-"""experiments/final_critics.py: the statistics of a critic at turn starts, by hand."""
+"""experiments/smol/final_critics.py: the statistics of a critic at turn starts, by hand."""
 from __future__ import annotations
 
 import sys
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "experiments"))
+sys.path.insert(0, str(ROOT / "experiments" / "smol"))
 
 import final_critics as fc  # noqa: E402
 
