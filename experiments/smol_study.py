@@ -42,7 +42,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))                    # python experiments/smol_study.py from anywhere
-from experiments import grid, significance as sig  # noqa: E402
+from experiments import launcher, significance as sig  # noqa: E402
 
 STAGES = {"pilot": ("mpo", "mpo_token_is", "mpo_beta0"), "abc": ("mpo", "mpo_token_is", "mpo_beta0"),
           "turn": ("mpo_beta0_turn",),         # issue 41, part 3: §12's turn-boundary critic
@@ -93,7 +93,7 @@ def run_one(variant: str, seed: int, args, extra: list[str]) -> None:
     out.mkdir(parents=True, exist_ok=True)          # the commit of each sitting, in order
     sittings = out / "commits.json"
     earlier = json.loads(sittings.read_text()) if resume and sittings.exists() else []
-    sittings.write_text(json.dumps(list(dict.fromkeys(earlier + [grid.git_commit()]))))
+    sittings.write_text(json.dumps(list(dict.fromkeys(earlier + [launcher.git_commit()]))))
     if not resume:
         for f in ("warm_start.json", "machine.json"):
             (out / f).unlink(missing_ok=True)

@@ -23,7 +23,7 @@ Design (fixed before the runs):
   Holm over the section's comparisons (final success); the K-trend of GRPO - A read from the
   per-setting paired means.
 Runs go to --out (default runs/testbed-v4; git-ignored), one folder per run, one writer each,
-resumed where a run stopped (grid.run_jobs); each sitting records its commit, CPU and diff.
+resumed where a run stopped (launcher.run_jobs); each sitting records its commit, CPU and diff.
 """
 from __future__ import annotations
 
@@ -33,9 +33,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from experiments import grid, significance as sig  # noqa: E402
+from experiments import launcher, significance as sig, testbed  # noqa: E402
 
-ROOT = grid.ROOT
+ROOT = launcher.ROOT
 TURN_LEN, STEPS, WARMUP = 16, 60, 30
 SEEDS = tuple(range(10))
 VARIANTS = ("mpo", "mpo_token_is", "mpo_beta0", "ppo", "grpo", "sao")
@@ -54,11 +54,11 @@ ADDED = {"a_at_c_rates": ("mpo", (3e-3, 3e-3), "A at C's rates: β with critics 
 RESULTS = ROOT / "docs" / "testbed" / "v4" / "results.json"
 PAGE_SECTION, SUMMARY_SECTION = "v4-tables", "v4-summary"
 SUMMARY_PAGE = ROOT / "docs" / "results.md"
-SHORT = grid.SHORT
+SHORT = testbed.SHORT
 
 
 def flags(setting: str, variant: str, rates: tuple | None = None) -> list[str]:
-    """The train_min flags of one run after the common ones (grid.testbed_job); `rates` (policy,
+    """The train_min flags of one run after the common ones (testbed.testbed_job); `rates` (policy,
     critic) replace the variant's tuned ones (the added arms)."""
     K, feedback = SETTINGS[setting]
     policy, critic = rates or TUNED[variant]
@@ -77,11 +77,11 @@ def job(root: Path, cache: Path, setting: str, variant: str, seed: int, extra: l
     K, feedback = SETTINGS[setting]
     warmup = WARMUP if variant in CRITIC_VARIANTS else 0
     rates = ADDED[arm][1] if arm else TUNED[variant]
-    return grid.testbed_job(root, f"{arm}-{setting}" if arm else setting, variant, seed,
-                            STEPS + warmup, TURN_LEN, [*flags(setting, variant, rates), *extra],
-                            {"setting": setting, "regime": "v4", "turns": K, "feedback": feedback,
-                             "warmup": warmup, "streaming": False, "lr": list(rates),
-                             **({"arm": arm} if arm else {})}, cache)
+    return testbed.testbed_job(root, f"{arm}-{setting}" if arm else setting, variant, seed,
+                               STEPS + warmup, TURN_LEN, [*flags(setting, variant, rates), *extra],
+                               {"setting": setting, "regime": "v4", "turns": K,
+                                "feedback": feedback, "warmup": warmup, "streaming": False,
+                                "lr": list(rates), **({"arm": arm} if arm else {})}, cache)
 
 
 def jobs(root: Path, cache: Path, extra: list[str], seeds=SEEDS) -> list[dict]:
@@ -122,15 +122,15 @@ def run_name(r: dict) -> str:
 def save(out: Path, results: Path, argv: list[str]) -> list[dict]:
     """The finished runs' records into results (keeping committed records whose run folder is
     gone), each sitting's diff copied beside them (diffs/)."""
-    records, kept = grid.merge_records(results, grid.collect_v2(out, "regime"), key, order)
-    return grid.save_study(out, results, [r for r in records if r["regime"] == "v4"], run_name,
-                           "python experiments/testbed_v4.py " + " ".join(argv),
-                           len(SETTINGS) * len(VARIANTS) * len(SEEDS), kept)
+    records, kept = launcher.merge_records(results, testbed.collect_v2(out, "regime"), key, order)
+    return launcher.save_study(out, results, [r for r in records if r["regime"] == "v4"], run_name,
+                               "python experiments/testbed_v4.py " + " ".join(argv),
+                               len(SETTINGS) * len(VARIANTS) * len(SEEDS), kept)
 
 
 def load(results: Path = RESULTS, added: bool = False) -> list[dict]:
     """The planned runs' records (added: the added arms' instead)."""
-    return [r for r in grid.load_records(results) if bool(r.get("arm")) == added]
+    return [r for r in launcher.load_records(results) if bool(r.get("arm")) == added]
 
 
 # --- tables -----------------------------------------------------------------------------------
@@ -318,8 +318,8 @@ def report(results: Path = RESULTS) -> str:
         *(["\n**Added after seed 0** (not in the design; " + "; ".join(
             f"{a}: {d}" for a, (_, _, d) in ADDED.items()) + "):\n",
            added_table(records, added)] if added else [])])
-    grid.update_page(grid.TESTBED_PAGE, PAGE_SECTION, body)
-    grid.update_page(SUMMARY_PAGE, SUMMARY_SECTION, trend_table(records))
+    launcher.update_page(testbed.TESTBED_PAGE, PAGE_SECTION, body)
+    launcher.update_page(SUMMARY_PAGE, SUMMARY_SECTION, trend_table(records))
     print(body)
     return body
 
@@ -328,8 +328,8 @@ def report(results: Path = RESULTS) -> str:
 
 def main(argv=None) -> str | None:
     argv = sys.argv[1:] if argv is None else argv
-    own, extra = grid.split_argv(argv)
-    ap = grid.study_parser(__doc__, SEEDS, "runs/testbed-v4", RESULTS)
+    own, extra = launcher.split_argv(argv)
+    ap = launcher.study_parser(__doc__, SEEDS, "runs/testbed-v4", RESULTS)
     ap.add_argument("--added", action="store_true",
                     help="run the added arms (ADDED) instead of the planned runs")
     args = ap.parse_args(own)
@@ -342,8 +342,8 @@ def main(argv=None) -> str | None:
     if args.cmd == "run":
         t0 = time.perf_counter()
         for seed in args.seeds:           # one seed at a time: its records committed as it ends
-            grid.run_jobs((added_jobs if args.added else jobs)(out, cache, extra, [seed]),
-                          args.workers)
+            launcher.run_jobs((added_jobs if args.added else jobs)(out, cache, extra, [seed]),
+                              args.workers)
             save(out, args.results, argv)
         print(f"[v4] done in {(time.perf_counter() - t0) / 60:.1f} min", flush=True)
     save(out, args.results, argv)

@@ -27,7 +27,7 @@ Design (fixed before the runs; docs/testbed.md states it with the predictions):
   (final success; Holm over these), the same for AUC (its own Holm family); the tuned variants
   against tuned A and tuned GRPO (Holm over those).
 Runs go to --out (default runs/testbed-why; git-ignored): one folder per run, one writer each,
-resumed where a run stopped (experiments/grid.py's run_jobs).
+resumed where a run stopped (experiments/launcher.py's run_jobs).
 """
 from __future__ import annotations
 
@@ -38,12 +38,12 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from experiments import grid, significance as sig  # noqa: E402
+from experiments import launcher, significance as sig, testbed  # noqa: E402
 
-ROOT = grid.ROOT
+ROOT = launcher.ROOT
 CELL, REGIME, TURN_LEN, DELAY = "v3-d1-L16", "v3-d1", 16, 1
-FLAGS = [*grid.V2_FLAGS, "--testbed_verdict_delay", str(DELAY)]
-STEPS = grid.V2_STEPS                               # policy updates, as v3
+FLAGS = [*testbed.V2_FLAGS, "--testbed_verdict_delay", str(DELAY)]
+STEPS = testbed.V2_STEPS                               # policy updates, as v3
 SEEDS = tuple(range(10))
 TUNE_SEEDS = (100, 101, 102)
 WARMUP = 30      # critic-only updates: v3's A critic first reached EV 0.5 (vs its target) at ~30
@@ -69,7 +69,7 @@ TUNE_VARIANTS = ("mpo", "mpo_beta0", "grpo", "ppo", "sao")
 LR_POLICY = (1e-3, 3e-3, 1e-2)
 LR_CRITIC = (3e-3, 1e-2)
 DEFAULT_LR = (3e-3, 3e-3)          # the testbed preset's lr_policy and lr_critic (= lr_value_head)
-SHORT = grid.SHORT
+SHORT = testbed.SHORT
 
 
 def lr_pairs(variant: str) -> list[tuple[float, float | None]]:
@@ -100,11 +100,11 @@ def job(root: Path, cache: Path, arm: str, variant: str, seed: int, flags: list[
     """One run of the cell under root/runs/<arm>-<variant>-s<seed>."""
     warmup = int(flags[flags.index("--critic_warmup_steps") + 1]) \
         if "--critic_warmup_steps" in flags else 0
-    return grid.testbed_job(root, arm, variant, seed, STEPS + warmup, TURN_LEN,
-                            [*FLAGS, *flags, *extra],
-                            {"setting": CELL, "regime": REGIME, "arm": arm, "warmup": warmup,
-                             "streaming": False, "feedback": False, "verdict_delay": DELAY},
-                            cache)
+    return testbed.testbed_job(root, arm, variant, seed, STEPS + warmup, TURN_LEN,
+                               [*FLAGS, *flags, *extra],
+                               {"setting": CELL, "regime": REGIME, "arm": arm, "warmup": warmup,
+                                "streaming": False, "feedback": False, "verdict_delay": DELAY},
+                               cache)
 
 
 def mechanism_jobs(root: Path, cache: Path, extra: list[str], seeds=SEEDS) -> list[dict]:
@@ -163,21 +163,21 @@ def key(r: dict) -> tuple:
 def order(r: dict) -> tuple:
     arms = list(ARMS) + ["tuned"]
     return (r["seed"] in TUNE_SEEDS, arms.index(r["arm"]) if r["arm"] in arms else 99, r["arm"],
-            list(grid.LABELS).index(r["variant"]), r["seed"])
+            list(launcher.LABELS).index(r["variant"]), r["seed"])
 
 
 def save(out: Path, results: Path, argv: list[str], planned: int) -> list[dict]:
     """Write the records of the finished runs into results, keeping records already there whose
     run folder is gone; copy each sitting's diff beside them (diffs/), so every record's code
     can be rebuilt from the repository alone."""
-    records, kept = grid.merge_records(results, grid.collect_v2(out, "arm"), key, order)
-    return grid.save_study(out, results, records,
-                           lambda r: f"{r['arm']}-{r['variant']}-s{r['seed']}",
-                           "python experiments/testbed_why.py " + " ".join(argv), planned, kept)
+    records, kept = launcher.merge_records(results, testbed.collect_v2(out, "arm"), key, order)
+    return launcher.save_study(out, results, records,
+                               lambda r: f"{r['arm']}-{r['variant']}-s{r['seed']}",
+                               "python experiments/testbed_why.py " + " ".join(argv), planned, kept)
 
 
 def load(results: Path = RESULTS) -> list[dict]:
-    return grid.load_records(results)
+    return launcher.load_records(results)
 
 
 # --- tables -----------------------------------------------------------------------------------
@@ -198,7 +198,7 @@ def rows_of(records: list[dict]) -> dict[tuple[str, str], list[dict]]:
 
 
 def updates_to_half(r: dict) -> int | None:
-    return grid.updates_to([tuple(p) for p in r["curve"]], 0.5)
+    return testbed.updates_to([tuple(p) for p in r["curve"]], 0.5)
 
 
 def arm_table(records: list[dict]) -> str:
@@ -292,7 +292,7 @@ def tuned_rows(records: list[dict]) -> list[dict]:
     return out
 
 
-def reproduction_line(records: list[dict], v3: Path = grid.V3_RESULTS) -> str:
+def reproduction_line(records: list[dict], v3: Path = testbed.V3_RESULTS) -> str:
     """The control against v3's committed records of the same cell and seeds (another CPU kind
     for some): how close a re-run on this machine came."""
     old = {(r["variant"], r["seed"]): r["final"] for r in json.loads(v3.read_text())["runs"]
@@ -424,8 +424,8 @@ def report(results: Path = RESULTS, out: Path | None = None) -> str:
     if results.resolve() == RESULTS.resolve():           # the committed study: its record page
         RECORD_TABLES.write_text("# Why MPO lost at d = 1, L = 16: the full tables (generated)\n\n"
                                  + body.replace("](testbed/", "](../../testbed/"))
-    grid.update_page(grid.TESTBED_PAGE, PAGE_SECTION, compact)
-    grid.update_page(SUMMARY_PAGE, SUMMARY_SECTION, summary_table(main, finals))
+    launcher.update_page(testbed.TESTBED_PAGE, PAGE_SECTION, compact)
+    launcher.update_page(SUMMARY_PAGE, SUMMARY_SECTION, summary_table(main, finals))
     print(body)
     return body
 
@@ -480,8 +480,8 @@ def curves(records: list[dict], path: Path) -> Path:
 
 def main(argv=None) -> str | None:
     argv = sys.argv[1:] if argv is None else argv
-    own, extra = grid.split_argv(argv)
-    ap = grid.study_parser(__doc__, SEEDS, "runs/testbed-why", RESULTS)   # --seeds: mechanisms'
+    own, extra = launcher.split_argv(argv)
+    ap = launcher.study_parser(__doc__, SEEDS, "runs/testbed-why", RESULTS)   # --seeds: mechanisms'
     ap.add_argument("--phase", choices=("mechanisms", "tuning", "tuned", "all"), default="all")
     args = ap.parse_args(own)
     out = args.out.resolve()
@@ -492,19 +492,19 @@ def main(argv=None) -> str | None:
     if args.cmd == "run":
         t0 = time.perf_counter()
         if args.phase in ("mechanisms", "all"):
-            grid.run_jobs(mechanism_jobs(out, cache, extra, args.seeds), args.workers)
+            launcher.run_jobs(mechanism_jobs(out, cache, extra, args.seeds), args.workers)
             save(out, args.results, argv, plan)
         for group in TUNE_GROUPS:         # tune a group, then run it at its choice
             if args.phase in ("tuning", "all"):
-                grid.run_jobs(tuning_jobs(out, cache, extra, group), args.workers)
+                launcher.run_jobs(tuning_jobs(out, cache, extra, group), args.workers)
                 save(out, args.results, argv, plan)
             if args.phase in ("tuned", "all"):
                 chosen = choose(save(out, args.results, argv, plan))
                 if missing := [v for v in group if v not in chosen]:
                     raise SystemExit(f"[why] {', '.join(missing)} not tuned yet: run --phase "
                                      "tuning first")
-                grid.run_jobs(tuned_jobs(out, cache, extra,
-                                         {v: chosen[v] for v in group}), args.workers)
+                launcher.run_jobs(tuned_jobs(out, cache, extra,
+                                             {v: chosen[v] for v in group}), args.workers)
         print(f"[why] done in {(time.perf_counter() - t0) / 60:.1f} min", flush=True)
     save(out, args.results, argv, plan)
     return report(args.results)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from experiments.grid import train as run_main  # noqa: F401  main(argv), signal handlers restored
+from experiments.launcher import train as run_main  # noqa: F401  main(argv), handlers restored
 
 
 def rollout_batch(tok, model, value_head, cfg, seed=0, n_questions=3, n=2):

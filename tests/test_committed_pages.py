@@ -6,7 +6,7 @@ captured, so nothing in the checkout changes."""
 import re
 from pathlib import Path
 
-from experiments import grid
+from experiments import launcher, testbed
 from experiments import testbed_v4 as v4
 from experiments import testbed_why as why
 
@@ -19,7 +19,7 @@ def section(page: Path, name: str) -> str:
 
 def captured(monkeypatch, tmp_path) -> dict:
     written = {}
-    monkeypatch.setattr(grid, "update_page",
+    monkeypatch.setattr(launcher, "update_page",
                         lambda page, name, text: written.setdefault((Path(page), name), text))
     monkeypatch.setattr(why, "curves", lambda records, path: path)
     monkeypatch.setattr(why, "RECORD_TABLES", tmp_path / "why-tables.md")
@@ -29,18 +29,18 @@ def captured(monkeypatch, tmp_path) -> dict:
 def test_the_why_study_pages_are_its_report(monkeypatch, tmp_path, capsys):
     written = captured(monkeypatch, tmp_path)
     why.report()
-    assert set(written) == {(grid.TESTBED_PAGE, why.PAGE_SECTION),
+    assert set(written) == {(testbed.TESTBED_PAGE, why.PAGE_SECTION),
                             (why.SUMMARY_PAGE, why.SUMMARY_SECTION)}
     for (page, name), text in written.items():
         assert section(page, name) == text, f"{page.name}: {name} is stale"
-    committed = grid.ROOT / "docs" / "records" / "testbed" / "why-tables.md"
+    committed = launcher.ROOT / "docs" / "records" / "testbed" / "why-tables.md"
     assert committed.read_text() == (tmp_path / "why-tables.md").read_text()
 
 
 def test_the_v4_study_pages_are_its_report(monkeypatch, tmp_path, capsys):
     written = captured(monkeypatch, tmp_path)
     v4.report()
-    assert set(written) == {(grid.TESTBED_PAGE, v4.PAGE_SECTION),
+    assert set(written) == {(testbed.TESTBED_PAGE, v4.PAGE_SECTION),
                             (v4.SUMMARY_PAGE, v4.SUMMARY_SECTION)}
     for (page, name), text in written.items():
         assert section(page, name) == text, f"{page.name}: {name} is stale"

@@ -5,9 +5,9 @@ fails here."""
 import json
 import statistics
 
-from experiments import grid, significance as sig
+from experiments import launcher, significance as sig, testbed as tb
 
-ROOT = grid.ROOT
+ROOT = launcher.ROOT
 DOCS = ROOT / "docs"
 
 
@@ -25,9 +25,9 @@ def cell_mean(records, setting, variant, get) -> float:
 
 
 def test_v2_between_turn_share_range_of_a():
-    v2 = runs(grid.V2_RESULTS)
+    v2 = runs(tb.V2_RESULTS)
     shares = [cell_mean(v2, f"v2-L{L}", "mpo", lambda r: r["critic"]["between_share_token_median"])
-              for L in grid.V2_TURN_LENS]
+              for L in tb.V2_TURN_LENS]
     text = f"{min(shares):.2f}–{max(shares):.2f}"
     assert text == "0.15–0.27"
     testbed = page("docs/records/testbed.md")
@@ -36,7 +36,7 @@ def test_v2_between_turn_share_range_of_a():
 
 
 def test_v3_within_turn_share_of_a_per_row():
-    v3 = runs(grid.V3_RESULTS)
+    v3 = runs(tb.V3_RESULTS)
     shares = [100 * cell_mean(v3, f"v3-d{d}-L{L}", "mpo", lambda r: r["within_turn_share"])
               for d, L in ((1, 16), (1, 64), (2, 16), (2, 64))]
     text = ", ".join(f"{s:.1f}" for s in shares)
@@ -45,8 +45,8 @@ def test_v3_within_turn_share_of_a_per_row():
 
 
 def test_v3_records_with_unsaved_uncommitted_changes():
-    v3 = runs(grid.V3_RESULTS)
-    lost = [r for r in v3 if grid.code_state_of(r) == "lost"]
+    v3 = runs(tb.V3_RESULTS)
+    lost = [r for r in v3 if tb.code_state_of(r) == "lost"]
     at_5d17 = [r for r in v3 if r["turn_len"] == 16 and r["commits"][0].startswith("5d17d8b")]
     assert (len(lost), len(at_5d17)) == (113, 11)
     assert all(r["seed"] == 0 for r in at_5d17)
@@ -56,7 +56,7 @@ def test_v3_records_with_unsaved_uncommitted_changes():
 
 
 def test_results_holm_p_of_the_grpo_loss_at_d1_l16():
-    comps = grid.map_comparisons(grid.map_records())
+    comps = tb.map_comparisons(tb.map_records())
     [c] = [c for c in comps if c["setting"] == "v3-d1-L16" and c["variant"] == "grpo"]
     assert f"{c['p_holm']:.3g}" == "0.0135"
     assert (f"Loss at v3 d = 1 L = 16 ({100 * c['mean']:+.1f} ± {100 * c['se']:.1f}, "
@@ -91,7 +91,7 @@ def test_smol_turn_confirmation_commits_of_seeds_0_and_1():
 
 
 def test_readme_counts_of_mpo_against_the_critic_based_token_methods():
-    comps = [c for c in grid.map_comparisons(grid.map_records())
+    comps = [c for c in tb.map_comparisons(tb.map_records())
              if c["variant"] in ("ppo", "vapo") and not c["setting"].startswith("stream")]
     wins = [c for c in comps if c["verdict"] == "win"]
     ties = sorted(c for c in (round(100 * c["mean"]) for c in comps if c["verdict"] == "tie"))
@@ -116,7 +116,7 @@ def test_why_section_prose_numbers_come_from_its_raw_file():
     def diff(row, ref, metric="final", row_step=None, ref_step=None):
         x, y = by_seed(*row, metric, row_step), by_seed(*ref, metric, ref_step)
         seeds = sorted(set(x) & set(y))
-        t = grid.paired_t([x[s] for s in seeds], [y[s] for s in seeds])
+        t = sig.paired_t([x[s] for s in seeds], [y[s] for s in seeds])
         return f"{sig.signed(t['mean'])} ± {100 * t['se']:.1f}"
 
     A, C, G = ("control", "mpo"), ("control", "mpo_beta0"), ("control", "grpo")
@@ -163,7 +163,7 @@ def test_why_section_prose_numbers_come_from_its_raw_file():
     assert (f"by blocks of 10 policy updates is {ev_blocks(*wA)} against the control's "
             f"{ev_blocks(*A)}") in text
     ev_end = [r["ev_at_warmup_end"] for r in records if r["arm"] == "warmup30"]
-    assert f"its own target) is {grid.mean_se(ev_end, 1.0, 2)}, below" in text and \
+    assert f"its own target) is {sig.mean_se(ev_end, 1.0, 2)}, below" in text and \
         len(ev_end) == 20
 
 
@@ -201,12 +201,12 @@ def test_why_tuning_prose_numbers_come_from_its_raw_file():
     text = page("docs/records/testbed.md")
     assert (f"(tuning AUC {100 * grid_auc[(3e-3, 1e-2)]:.1f} against "
             f"{100 * grid_auc[(3e-3, 3e-3)]:.1f} at the default)") in text
-    assert (f"Tuned A on seeds 0–9: {grid.mean_se([r['final'] for r in a])} % (AUC "
+    assert (f"Tuned A on seeds 0–9: {sig.mean_se([r['final'] for r in a])} % (AUC "
             f"{100 * statistics.mean(r['auc'] for r in a):.1f})") in text
     assert (f"tuned GRPO − tuned A = {sig.signed(gap['mean'])} ± {100 * gap['se']:.1f} "
-            f"(Holm {grid.fmt_p(gap['p_holm'])})") in text
+            f"(Holm {sig.fmt_p(gap['p_holm'])})") in text
     assert (f"tuned GRPO − tuned A = {sig.signed(gap['mean'])} ± {100 * gap['se']:.1f} "
-            f"(Holm {grid.fmt_p(gap['p_holm'])}; PPO") in page("docs/results.md")
+            f"(Holm {sig.fmt_p(gap['p_holm'])}; PPO") in page("docs/results.md")
     ppo = comps[(("tuned", "ppo"), ("tuned", "mpo"))]
     assert f"tuned PPO ends {100 * -ppo['mean']:.1f} ± {100 * ppo['se']:.1f} points below" in text
     later = statistics.mean(r["critic"]["ev_R_later_turns"] for r in a)

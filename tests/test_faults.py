@@ -4,8 +4,9 @@ give the uninterrupted run's result or stop with one clear message (issue 12).
 Each fault is done for real: a child process (tests/fault_runner.py) is SIGKILLed at a chosen
 point (during an update, with a checkpoint half written, between the checkpoint and its `latest`
 pointer, after a random delay); files are truncated or overwritten; bad flags go through
-train_min.main exactly as from a shell. The preemption of a run under experiments/grid.py (SIGTERM,
-exit code 0, not finished, resumed by the same command) is tested in tests/test_grid.py.
+train_min.main exactly as from a shell. The preemption of a run under a study's grid
+(experiments/launcher.py's run_jobs: SIGTERM, exit code 0, not finished, resumed by the same
+command) is tested in tests/test_grid.py.
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""experiments/grid.py: the finished-marker, skip and resume, the paper grids, compare tables and
-plots from real tiny-preset runs, and the testbed study end to end.
+"""experiments/launcher.py, grid.py and testbed.py: the finished-marker, skip and resume, the paper
+grids, compare tables and plots from real tiny-preset runs, and the testbed study end to end.
 
 The tiny-preset runs use a tiny model built once here without warm start (seconds), passed with
 --model so nothing is downloaded or rebuilt; torch runs single-threaded as in test_train_min.py
@@ -19,7 +19,7 @@ import torch
 import mpo
 import presets
 import train_min
-from experiments import grid
+from experiments import grid, launcher, significance as sig, testbed
 from helpers import run_main
 
 
@@ -48,20 +48,20 @@ def metrics_steps(out: Path) -> list[int]:
 # ---------------------------------------------------------------------------------------------
 
 def test_split_argv_passes_everything_after_the_double_dash_to_train_min():
-    assert grid.split_argv(["run", "beta", "--", "--steps", "5"]) == (["run", "beta"],
+    assert launcher.split_argv(["run", "beta", "--", "--steps", "5"]) == (["run", "beta"],
                                                                       ["--steps", "5"])
-    assert grid.split_argv(["testbed", "--quick"]) == (["testbed", "--quick"], [])
+    assert launcher.split_argv(["testbed", "--quick"]) == (["testbed", "--quick"], [])
 
 
 def test_a_marker_counts_as_finished_only_with_the_same_arguments(tmp_path):
     job = {"out": str(tmp_path), "argv": ["--steps", "2", "--out_dir", str(tmp_path)]}
-    assert not grid.is_finished(job)                                       # no marker
+    assert not launcher.is_finished(job)                                       # no marker
     marker = {"argv": job["argv"], "steps": 2, "step": 2, "finished": True}
-    (tmp_path / grid.MARKER).write_text(json.dumps(marker))
-    assert grid.is_finished(job)
-    assert not grid.is_finished({**job, "argv": job["argv"] + ["--lam", "0.6"]})   # other flags
-    (tmp_path / grid.MARKER).write_text(json.dumps({**marker, "step": 1, "finished": False}))
-    assert not grid.is_finished(job)
+    (tmp_path / launcher.MARKER).write_text(json.dumps(marker))
+    assert launcher.is_finished(job)
+    assert not launcher.is_finished({**job, "argv": job["argv"] + ["--lam", "0.6"]})   # other flags
+    (tmp_path / launcher.MARKER).write_text(json.dumps({**marker, "step": 1, "finished": False}))
+    assert not launcher.is_finished(job)
 
 
 def test_a_run_stopped_before_its_last_step_is_not_finished_and_resumes(tiny_model, tmp_path,
@@ -76,31 +76,31 @@ def test_a_run_stopped_before_its_last_step_is_not_finished_and_resumes(tiny_mod
         calls.append(1)
         return real(*args, **kwargs)
     monkeypatch.setattr(mpo, "outcome_rewards", preempted)
-    monkeypatch.setattr(grid, "git_commit", lambda: "aaa1111")    # the first sitting's code
-    monkeypatch.setattr(grid, "LOADED_CODE", [])                 # a fresh process
+    monkeypatch.setattr(launcher, "git_commit", lambda: "aaa1111")    # the first sitting's code
+    monkeypatch.setattr(launcher, "LOADED_CODE", [])                 # a fresh process
     job = tiny_job(tiny_model, tmp_path / "run")
     with pytest.raises(SystemExit, match="stopped at step 1 of 2"):
-        grid.run_jobs([job])
-    marker = grid.read_marker(tmp_path / "run")
+        launcher.run_jobs([job])
+    marker = launcher.read_marker(tmp_path / "run")
     assert (marker["finished"], marker["step"], marker["steps"]) == (False, 1, 2)
     assert marker["argv"] == job["argv"]
-    assert not grid.is_finished(job)
+    assert not launcher.is_finished(job)
     assert marker["commits"] == ["aaa1111"]
     monkeypatch.setattr(mpo, "outcome_rewards", real)
     assert not (tmp_path / "run" / ".lock").exists()              # released when it stopped
-    monkeypatch.setattr(grid, "git_commit", lambda: "bbb2222")    # resumed on newer code,
-    monkeypatch.setattr(grid, "LOADED_CODE", [])                 # in a new process
-    [marker] = grid.run_jobs([job])
+    monkeypatch.setattr(launcher, "git_commit", lambda: "bbb2222")    # resumed on newer code,
+    monkeypatch.setattr(launcher, "LOADED_CODE", [])                 # in a new process
+    [marker] = launcher.run_jobs([job])
     assert (marker["finished"], marker["step"]) == (True, 2)
     assert marker["commits"] == ["aaa1111", "bbb2222"]           # both sittings, in order
-    assert grid.v2_record({**marker, "setting": "s", "regime": "v2", "variant": "mpo",
+    assert testbed.v2_record({**marker, "setting": "s", "regime": "v2", "variant": "mpo",
                            "seed": 0, "turn_len": 4}, [{"step": 2, "val/reward": 0.0}]
                           )["commits"] == ["aaa1111", "bbb2222"]
     assert "resumed from" in (tmp_path / "run" / "log.txt").read_text()
     assert metrics_steps(tmp_path / "run")[-2:] == [1, 2]
     # other flags: not finished, trained again from step 0 rather than resumed
     other = tiny_job(tiny_model, tmp_path / "run", "--lam", "0.6")
-    [marker] = grid.run_jobs([other])
+    [marker] = launcher.run_jobs([other])
     assert marker["finished"] and marker["argv"] == other["argv"]
     assert marker["commits"] == ["bbb2222"]                       # a fresh run: its own code only
     assert "resumed from" not in (tmp_path / "run" / "log.txt").read_text()
@@ -115,15 +115,15 @@ def test_a_second_writer_of_a_run_folder_is_refused_and_touches_nothing(tmp_path
     out.mkdir()
     holder = os.getppid()                                   # alive, and not this process
     (out / ".lock").write_text(f"{holder} {socket.gethostname()}")
-    (out / grid.MARKER).write_text('{"the": "first writer\'s marker"}')
+    (out / launcher.MARKER).write_text('{"the": "first writer\'s marker"}')
     (out / "log.txt").write_text("the first writer's log\n")
-    monkeypatch.setattr(grid, "train", lambda argv: pytest.fail("a second writer trained"))
+    monkeypatch.setattr(launcher, "train", lambda argv: pytest.fail("a second writer trained"))
     job = {"out": str(out), "argv": ["--preset", "tiny", "--out_dir", str(out)], "meta": {}}
     with pytest.raises(SystemExit, match=f"--out_dir {out} is being written by pid {holder} "
                                          f"on {socket.gethostname()}") as e:
-        grid.run_one(job)
+        launcher.run_one(job)
     assert "\n" not in str(e.value)                              # one line
-    assert (out / grid.MARKER).read_text() == '{"the": "first writer\'s marker"}'
+    assert (out / launcher.MARKER).read_text() == '{"the": "first writer\'s marker"}'
     assert (out / "log.txt").read_text() == "the first writer's log\n"
     assert (out / ".lock").read_text() == f"{holder} {socket.gethostname()}"   # still theirs
 
@@ -131,9 +131,9 @@ def test_a_second_writer_of_a_run_folder_is_refused_and_touches_nothing(tmp_path
 def test_a_run_another_grid_finished_meanwhile_is_not_trained_again(tmp_path, monkeypatch):
     job = {"out": str(tmp_path), "argv": ["--steps", "2", "--out_dir", str(tmp_path)]}
     marker = {"argv": job["argv"], "steps": 2, "step": 2, "finished": True, "commits": ["a"]}
-    (tmp_path / grid.MARKER).write_text(json.dumps(marker))
-    monkeypatch.setattr(grid, "train", lambda argv: pytest.fail("a finished run was re-run"))
-    assert grid.run_one(job) == marker
+    (tmp_path / launcher.MARKER).write_text(json.dumps(marker))
+    monkeypatch.setattr(launcher, "train", lambda argv: pytest.fail("a finished run was re-run"))
+    assert launcher.run_one(job) == marker
     assert not (tmp_path / ".lock").exists()                     # the lock was released
 
 
@@ -145,41 +145,41 @@ def test_each_sitting_records_its_code_and_a_killed_sitting_keeps_its_commit(tmp
     out = tmp_path / "run"
     job = {"out": str(out), "argv": ["--preset", "tiny", "--steps", "2", "--out_dir", str(out)],
            "meta": {"seed": 0}}
-    monkeypatch.setattr(grid, "LOADED_CODE", [])
-    monkeypatch.setattr(grid, "git_commit", lambda: "aaa1111+uncommitted changes")
-    monkeypatch.setattr(grid, "git_diff", lambda: "diff --git a/mpo.py b/mpo.py\n+# edit\n")
+    monkeypatch.setattr(launcher, "LOADED_CODE", [])
+    monkeypatch.setattr(launcher, "git_commit", lambda: "aaa1111+uncommitted changes")
+    monkeypatch.setattr(launcher, "git_diff", lambda: "diff --git a/mpo.py b/mpo.py\n+# edit\n")
 
     def killed(argv):
         raise RuntimeError("the session ended")            # before train returns
-    monkeypatch.setattr(grid, "train", killed)
+    monkeypatch.setattr(launcher, "train", killed)
     with pytest.raises(RuntimeError, match="session ended"):
-        grid.run_one(job)
-    marker = grid.read_marker(out)
+        launcher.run_one(job)
+    marker = launcher.read_marker(out)
     [first] = marker["sittings"]
     assert first["commit"] == "aaa1111+uncommitted changes" and first["wall_s"] is None
     assert (out / first["diff"]).read_text() == "diff --git a/mpo.py b/mpo.py\n+# edit\n"
-    assert first["diff"] == grid.diff_name("diff --git a/mpo.py b/mpo.py\n+# edit\n")
-    assert first["cpu"] == grid.cpu_kind() and marker["commits"] == [first["commit"]]
+    assert first["diff"] == launcher.diff_name("diff --git a/mpo.py b/mpo.py\n+# edit\n")
+    assert first["cpu"] == launcher.cpu_kind() and marker["commits"] == [first["commit"]]
     assert marker["finished"] is False
     (out / "checkpoints").mkdir()
     (out / "checkpoints" / "latest").write_text("step-1")   # it had checkpointed step 1
-    monkeypatch.setattr(grid, "LOADED_CODE", [])             # resumed in a new process, clean
-    monkeypatch.setattr(grid, "git_commit", lambda: "bbb2222")
-    monkeypatch.setattr(grid, "git_diff", lambda: None)
+    monkeypatch.setattr(launcher, "LOADED_CODE", [])             # resumed in a new process, clean
+    monkeypatch.setattr(launcher, "git_commit", lambda: "bbb2222")
+    monkeypatch.setattr(launcher, "git_diff", lambda: None)
     seen = []
 
     def resumed(argv):
         seen.append(argv)
         return {"step": 2}
-    monkeypatch.setattr(grid, "train", resumed)
-    marker = grid.run_one(job)
+    monkeypatch.setattr(launcher, "train", resumed)
+    marker = launcher.run_one(job)
     assert seen[0][-1] == "--resume"
     assert marker["finished"] and marker["commits"] == ["aaa1111+uncommitted changes", "bbb2222"]
     assert [s["commit"] for s in marker["sittings"]] == marker["commits"]
     assert marker["sittings"][1]["diff"] is None and marker["sittings"][1]["wall_s"] > 0
     assert marker["wall_s"] == pytest.approx(marker["sittings"][1]["wall_s"])
     assert marker["wall_s_complete"] is False               # the killed sitting's time is unknown
-    record = grid.v2_record({**marker, "setting": "s", "regime": "v2", "variant": "mpo",
+    record = testbed.v2_record({**marker, "setting": "s", "regime": "v2", "variant": "mpo",
                              "turn_len": 4}, [{"step": 2, "val/reward": 0.5}])
     assert record["code"] == [{k: s[k] for k in ("commit", "diff", "cpu")}
                               for s in marker["sittings"]]
@@ -198,11 +198,11 @@ def test_git_diff_rebuilds_the_dirty_tree_untracked_files_included(tmp_path, mon
     (repo / "a.py").write_text("x = 1\n")
     git("add", "a.py")
     git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
-    monkeypatch.setattr(grid, "ROOT", repo)
-    assert grid.git_diff() is None
+    monkeypatch.setattr(launcher, "ROOT", repo)
+    assert launcher.git_diff() is None
     (repo / "a.py").write_text("x = 2\n")
     (repo / "b.py").write_text("y = 3\n")
-    patch = grid.git_diff()
+    patch = launcher.git_diff()
     clone = tmp_path / "clone"
     subprocess.run(["git", "clone", "-q", str(repo), str(clone)], check=True)
     subprocess.run(["git", "-C", str(clone), "apply", "-"], input=patch, text=True, check=True)
@@ -215,26 +215,26 @@ def test_a_worker_whose_grid_is_gone_starts_no_run(tmp_path, monkeypatch):
     out = tmp_path / "run"
     job = {"out": str(out), "argv": ["--steps", "2", "--out_dir", str(out)],
            "parent": os.getppid() + 12345}                 # not this process's parent
-    monkeypatch.setattr(grid, "train", lambda argv: pytest.fail("an orphan trained"))
+    monkeypatch.setattr(launcher, "train", lambda argv: pytest.fail("an orphan trained"))
     with pytest.raises(SystemExit, match="the grid that queued it .* is gone; not started"):
-        grid.run_one(job)
+        launcher.run_one(job)
     assert not out.exists()
     (out).mkdir()
-    (out / grid.MARKER).write_text(json.dumps({"argv": job["argv"], "steps": 2, "step": 2,
+    (out / launcher.MARKER).write_text(json.dumps({"argv": job["argv"], "steps": 2, "step": 2,
                                                "finished": True}))
-    assert grid.run_one({**job, "parent": os.getppid()})["finished"]     # its parent: goes on
+    assert launcher.run_one({**job, "parent": os.getppid()})["finished"]     # its parent: goes on
 
 
 def test_code_commit_is_the_commit_a_process_loaded_not_a_later_checkout(monkeypatch):
-    monkeypatch.setattr(grid, "LOADED_CODE", [])
-    monkeypatch.setattr(grid, "git_commit", lambda: "aaa1111")
-    assert grid.code_commit() == "aaa1111"
-    monkeypatch.setattr(grid, "git_commit", lambda: "bbb2222")   # committed while it runs
-    assert grid.code_commit() == "aaa1111"                       # the worker still runs aaa1111
-    monkeypatch.setattr(grid, "LOADED_CODE", [])                 # dirty under docs/ only:
-    monkeypatch.setattr(grid, "git_commit", lambda: "ccc3333+uncommitted changes")
-    monkeypatch.setattr(grid, "git_diff", lambda: None)          # nothing outside docs/ differs
-    assert grid.code_state() == ("ccc3333", None)
+    monkeypatch.setattr(launcher, "LOADED_CODE", [])
+    monkeypatch.setattr(launcher, "git_commit", lambda: "aaa1111")
+    assert launcher.code_commit() == "aaa1111"
+    monkeypatch.setattr(launcher, "git_commit", lambda: "bbb2222")   # committed while it runs
+    assert launcher.code_commit() == "aaa1111"                       # the worker still runs aaa1111
+    monkeypatch.setattr(launcher, "LOADED_CODE", [])                 # dirty under docs/ only:
+    monkeypatch.setattr(launcher, "git_commit", lambda: "ccc3333+uncommitted changes")
+    monkeypatch.setattr(launcher, "git_diff", lambda: None)          # nothing outside docs/ differs
+    assert launcher.code_state() == ("ccc3333", None)
 
 
 def test_paper_grid_runs_each_point_and_seed_once_then_skips_finished_runs(tiny_model, tmp_path,
@@ -245,16 +245,16 @@ def test_paper_grid_runs_each_point_and_seed_once_then_skips_finished_runs(tiny_
              "--cpu_threads", "1"]
     jobs = grid.paper_jobs("test", [3], tmp_path, extra)
     assert [Path(j["out"]).name for j in jobs] == ["variantmpo-s3", "lam0.6-s3"]
-    markers = grid.run_jobs(jobs, workers=1, fresh=True)
+    markers = launcher.run_jobs(jobs, workers=1, fresh=True)
     for job, marker in zip(jobs, markers):
         assert marker["finished"] and marker["argv"] == job["argv"] and marker["step"] == 1
         assert metrics_steps(Path(job["out"]))[-1] == 1
     cfg = json.loads((Path(jobs[1]["out"]) / "config.json").read_text())
     assert cfg["lam"] == 0.6 and cfg["seed"] == 3
-    monkeypatch.setattr(grid, "run_one", lambda job: pytest.fail("a finished run was re-run"))
-    monkeypatch.setattr(grid, "ProcessPoolExecutor",
+    monkeypatch.setattr(launcher, "run_one", lambda job: pytest.fail("a finished run was re-run"))
+    monkeypatch.setattr(launcher, "ProcessPoolExecutor",
                         lambda *a, **k: pytest.fail("a process was started for finished runs"))
-    assert grid.run_jobs(jobs, workers=1, fresh=True) == markers
+    assert launcher.run_jobs(jobs, workers=1, fresh=True) == markers
 
 
 # ---------------------------------------------------------------------------------------------
@@ -304,10 +304,10 @@ def test_compare_refuses_a_folder_that_is_not_a_run(tmp_path):
 
 
 def test_mean_std_is_the_sample_std_in_percent():
-    assert grid.mean_std([0.5, 0.7]) == "60.0 ± 14.1"
-    assert grid.mean_std([0.25]) == "25.0"
-    assert grid.mean_std([None, float("nan")]) == "–"
-    assert grid.mean_std([40, 50], 1.0, 0) == "45 ± 7"
+    assert launcher.mean_std([0.5, 0.7]) == "60.0 ± 14.1"
+    assert launcher.mean_std([0.25]) == "25.0"
+    assert launcher.mean_std([None, float("nan")]) == "–"
+    assert launcher.mean_std([40, 50], 1.0, 0) == "45 ± 7"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -315,9 +315,9 @@ def test_mean_std_is_the_sample_std_in_percent():
 # ---------------------------------------------------------------------------------------------
 
 def test_updates_to_threshold_is_the_first_evaluation_at_or_above_it():
-    assert grid.updates_to([(5, 0.2), (10, 0.85), (15, 0.9)], 0.8) == 10
-    assert grid.updates_to([(5, 0.2), (10, 0.8)], 0.8) == 10
-    assert grid.updates_to([(5, 0.2), (10, 0.7)], 0.8) is None
+    assert testbed.updates_to([(5, 0.2), (10, 0.85), (15, 0.9)], 0.8) == 10
+    assert testbed.updates_to([(5, 0.2), (10, 0.8)], 0.8) == 10
+    assert testbed.updates_to([(5, 0.2), (10, 0.7)], 0.8) is None
 
 
 def test_testbed_study_end_to_end_writes_markers_critic_structure_table_and_plots(tmp_path,
@@ -328,13 +328,13 @@ def test_testbed_study_end_to_end_writes_markers_critic_structure_table_and_plot
                     "--nofeedback_turn_lens", "--stream_turn_len", "2", "--stream_variants", "mpo",
                     "--steps", "2", "--workers", "1", "--out", str(out),
                     "--", "--eval_every", "1"])
-    names = sorted(p.parent.name for p in (out / "runs").glob(f"*/{grid.MARKER}"))
+    names = sorted(p.parent.name for p in (out / "runs").glob(f"*/{launcher.MARKER}"))
     assert names == ["L2-grpo-s0", "L2-mpo-s0", "stream-L2-mpo-s0"]
-    stream = grid.read_marker(out / "runs" / "stream-L2-mpo-s0")
+    stream = launcher.read_marker(out / "runs" / "stream-L2-mpo-s0")
     assert stream["finished"] and stream["argv"][-2:] == ["--eval_every", "1"]
     assert "--testbed_streaming" in stream["argv"]
     assert 0 <= stream["structure"]["grouped_between_share_token_median"] <= 1
-    assert grid.read_marker(out / "runs" / "L2-grpo-s0")["structure"] == {}   # GRPO: no critic
+    assert launcher.read_marker(out / "runs" / "L2-grpo-s0")["structure"] == {}   # GRPO: no critic
     rows = [line for line in md.splitlines() if line.startswith(("| L2 |", "| stream-L2 |"))]
     assert [r.split("|")[2].strip() for r in rows] == ["A: MPO", "GRPO", "A: MPO"]
     results = json.loads((out / "results.json").read_text())
@@ -379,19 +379,19 @@ def test_compare_table_reports_start_gain_and_paired_differences_by_seed():
 
 def v2_args(*argv: str):
     args = grid.build_parser().parse_args(["testbed", "--v2", *argv])
-    grid.testbed_defaults(args)
+    testbed.testbed_defaults(args)
     args.cache = Path("/tmp/unused-cache")
     return args
 
 
 def test_v2_job_list_is_six_variants_ten_seeds_three_lengths_plus_the_counter_regime():
     args = v2_args()
-    jobs = grid.v2_jobs(args, ["--eval_every", "5"])
+    jobs = testbed.v2_jobs(args, ["--eval_every", "5"])
     assert len(jobs) == 6 * 10 * 3 + 3 * 10 == 210
     assert len({j["out"] for j in jobs}) == 210                           # one folder per run
     names = [Path(j["out"]).name for j in jobs]
     assert names[0] == "v2-L64-mpo-s0" and names[-1] == "stream-L4-grpo-s9"   # longest first
-    assert args.results == grid.V2_RESULTS and args.steps == 60
+    assert args.results == testbed.V2_RESULTS and args.steps == 60
     cells = {}
     for j in jobs:
         m = j["meta"]
@@ -403,14 +403,14 @@ def test_v2_job_list_is_six_variants_ten_seeds_three_lengths_plus_the_counter_re
         assert argv[-2:] == ["--eval_every", "5"]                        # after --: last
         assert j["threads"] == 1 and j["measure_critic"] == (m["variant"] != "grpo")
         if m["regime"] == "v2":
-            assert argv[argv.index("--out_dir") + 2:][:10] == grid.V2_FLAGS
+            assert argv[argv.index("--out_dir") + 2:][:10] == testbed.V2_FLAGS
             assert ("--vapo_value_steps" in argv) == (m["variant"] == "vapo")
         else:
             assert "--testbed_streaming" in argv and "--testbed_decisive" not in argv
     assert all(seeds == list(range(10)) for seeds in cells.values())
     assert {s for s, _ in cells} == {"v2-L8", "v2-L32", "v2-L64", "stream-L4"}
     assert {v for s, v in cells if s == "stream-L4"} == {"mpo", "ppo", "grpo"}
-    assert {v for s, v in cells if s == "v2-L8"} == set(grid.V2_VARIANTS)
+    assert {v for s, v in cells if s == "v2-L8"} == set(testbed.V2_VARIANTS)
     # the argument lists parse as train_min runs of the v2 regime (VAPO: 10 critic-only updates)
     vapo = next(j for j in jobs if j["meta"]["variant"] == "vapo")
     cfg = train_min.parse_config(vapo["argv"])
@@ -420,14 +420,14 @@ def test_v2_job_list_is_six_variants_ten_seeds_three_lengths_plus_the_counter_re
     stream = train_min.parse_config(jobs[-1]["argv"])
     assert stream.preset_options["testbed_streaming"] and stream.preset_options["testbed_turn_len"] == 4
     quick = v2_args("--quick")
-    assert len(grid.v2_jobs(quick, [])) == 6 * 2 + 2 * 2 and quick.results.parent == quick.out
+    assert len(testbed.v2_jobs(quick, [])) == 6 * 2 + 2 * 2 and quick.results.parent == quick.out
 
 
 def test_holm_matches_the_step_down_rule_by_hand():
     # sorted 0.01, 0.03, 0.04, 0.5 -> 4 * 0.01, 3 * 0.03, max(3 * 0.03, 2 * 0.04), max(.., 1 * 0.5)
-    assert grid.holm([0.01, 0.04, 0.03, 0.5]) == pytest.approx([0.04, 0.09, 0.09, 0.5])
-    assert grid.holm([0.5, 0.9]) == pytest.approx([1.0, 1.0])              # capped at 1
-    assert grid.holm([0.02]) == [0.02]
+    assert sig.holm([0.01, 0.04, 0.03, 0.5]) == pytest.approx([0.04, 0.09, 0.09, 0.5])
+    assert sig.holm([0.5, 0.9]) == pytest.approx([1.0, 1.0])              # capped at 1
+    assert sig.holm([0.02]) == [0.02]
 
 
 def t_p_df2(t: float) -> float:
@@ -460,7 +460,7 @@ def hand_records() -> list[dict]:
 
 
 def test_paired_comparisons_give_the_t_test_p_and_holm_over_the_page():
-    comps = {(c["setting"], c["variant"]): c for c in grid.comparisons(hand_records())}
+    comps = {(c["setting"], c["variant"]): c for c in testbed.comparisons(hand_records())}
     assert set(comps) == {("v2-L8", "ppo"), ("v2-L8", "grpo"), ("stream-L4", "ppo")}
     ppo8, grpo8, ppo_s = comps[("v2-L8", "ppo")], comps[("v2-L8", "grpo")], comps[("stream-L4", "ppo")]
     assert (ppo8["n"], ppo8["mean"], ppo8["se"]) == (3, pytest.approx(0.2), pytest.approx(0.1 / 3 ** 0.5))
@@ -475,7 +475,7 @@ def test_paired_comparisons_give_the_t_test_p_and_holm_over_the_page():
 
 
 def test_v2_report_from_a_raw_results_file_recomputes_the_tables(tmp_path):
-    results = grid.write_results(tmp_path / "v2" / "results.json",
+    results = launcher.write_results(tmp_path / "v2" / "results.json",
                                  {"command": "python experiments/grid.py testbed --v2",
                                   "runs": 15, "wall_min": 7.5, "run_min_total": 15.0,
                                   "commit": "abc1234", "machine": "x86_64, 2 CPUs, 2 workers"},
@@ -507,7 +507,7 @@ def test_v2_record_reads_the_gates_from_metrics_rows():
     marker = {"setting": "v2-L8", "regime": "v2", "variant": "mpo", "seed": 3, "turn_len": 8,
               "steps": 20, "wall_s": 12.34, "structure": {"ev_R": 0.5, "ev_R_later_turns": 0.7,
                                                           "between_share_token_median": 0.4}}
-    r = grid.v2_record(marker, rows)
+    r = testbed.v2_record(marker, rows)
     assert r["final"] == 1.0 and r["final_step"] == 20 and r["curve"][0] == [5, 0.25]
     assert r["auc"] == pytest.approx((0.25 + 0.5 + 0.75 + 1.0) / 4)
     assert r["ev_last10"] == pytest.approx(sum(range(11, 21)) / 10 / 20)     # the last 10 updates
@@ -537,14 +537,14 @@ def test_v2_grid_end_to_end_collects_markers_into_the_results_file(tmp_path, one
 
 
 def test_paired_t_matches_scipy_and_gives_no_test_for_identical_differences():
-    r = grid.paired_t([0.5, 0.7, 0.6], [0.4, 0.4, 0.4])
+    r = sig.paired_t([0.5, 0.7, 0.6], [0.4, 0.4, 0.4])
     # by hand: differences 0.1, 0.3, 0.2: mean 0.2, sd 0.1, se 0.1 / √3
     assert r["n"] == 3 and math.isclose(r["mean"], 0.2) and math.isclose(r["se"], 0.1 / 3 ** 0.5)
     assert math.isclose(r["t"], 0.2 / (0.1 / 3 ** 0.5))
     assert math.isclose(r["p"], 0.0742, abs_tol=5e-4)     # t 3.46 on 2 dof, two-sided
-    same = grid.paired_t([0.5, 0.6], [0.625, 0.725])      # both seeds −0.125: SE 0
+    same = sig.paired_t([0.5, 0.6], [0.625, 0.725])      # both seeds −0.125: SE 0
     assert same["se"] == 0 and math.isnan(same["t"]) and same["p"] == 1.0
-    assert grid.paired_t([0.5, 0.5], [0.5, 0.5])["p"] == 1.0
+    assert sig.paired_t([0.5, 0.5], [0.5, 0.5])["p"] == 1.0
 
 
 
@@ -554,37 +554,39 @@ def test_merge_records_keeps_committed_runs_the_new_runs_lack_and_lets_new_ones_
                 "turn_len": int(setting.rsplit("L", 1)[1]), "variant": variant, "seed": seed,
                 "final": final}
     path = tmp_path / "results.json"
-    grid.write_results(path, {"runs": 3}, [rec("v2-L8", "mpo", 0, 0.1), rec("v2-L8", "mpo", 4, 0.2),
-                                           rec("stream-L4", "ppo", 0, 0.3)])
+    launcher.write_results(path, {"runs": 3}, [rec("v2-L8", "mpo", 0, 0.1),
+                                               rec("v2-L8", "mpo", 4, 0.2),
+                                               rec("stream-L4", "ppo", 0, 0.3)])
     new = [rec("v2-L8", "mpo", 4, 0.9), rec("v2-L32", "ppo", 5, 0.5)]
-    merged, kept = grid.merge_records(path, new)
+    merged, kept = launcher.merge_records(path, new)
     assert kept == 2
     assert [(r["setting"], r["variant"], r["seed"], r["final"]) for r in merged] == [
         ("v2-L8", "mpo", 0, 0.1), ("v2-L8", "mpo", 4, 0.9),       # the new seed-4 run wins
         ("v2-L32", "ppo", 5, 0.5), ("stream-L4", "ppo", 0, 0.3)]   # grid order: L, then stream
-    assert grid.merge_records(tmp_path / "none.json", new) == (sorted(new, key=grid.order_key), 0)
+    assert launcher.merge_records(tmp_path / "none.json", new) == (
+        sorted(new, key=launcher.order_key), 0)
 
 
 def test_the_report_refuses_a_record_written_by_two_writers(tmp_path):
     records = hand_records()
     bad = dict(records[0], curve=[[5, 0.1], [10, 0.2], [5, 0.1], [10, 0.3]])   # two writers
-    results = grid.write_results(tmp_path / "r.json", {"command": "x"}, [bad, *records[1:]])
+    results = launcher.write_results(tmp_path / "r.json", {"command": "x"}, [bad, *records[1:]])
     with pytest.raises(ValueError, match=f"{bad['setting']} {bad['variant']} seed "
                                          f"{bad['seed']} has duplicated or out-of-order"):
-        grid.v2_report(results, tmp_path)
+        testbed.v2_report(results, tmp_path)
     long_ev = dict(records[0], ev_curve=[0.1] * (records[0]["steps"] + 5))
-    results = grid.write_results(tmp_path / "r.json", {"command": "x"}, [long_ev, *records[1:]])
+    results = launcher.write_results(tmp_path / "r.json", {"command": "x"}, [long_ev, *records[1:]])
     with pytest.raises(ValueError, match="critic-EV entries for"):
-        grid.v2_report(results, tmp_path)
+        testbed.v2_report(results, tmp_path)
 
 
 def test_v3_grid_runs_the_v2_regime_at_each_verdict_delay(tmp_path):
     args = grid.build_parser().parse_args(["testbed", "--v3", "--out", str(tmp_path)])
-    grid.testbed_defaults(args)
-    assert args.results == grid.V3_RESULTS and args.v2 and args.steps == 60
-    jobs = grid.v2_jobs(args, [])
+    testbed.testbed_defaults(args)
+    assert args.results == testbed.V3_RESULTS and args.v2 and args.steps == 60
+    jobs = testbed.v2_jobs(args, [])
     assert len(jobs) == 6 * 10 * 2 * 2                       # variants x seeds x L x d
-    assert {j["meta"]["variant"] for j in jobs} == set(grid.V3_VARIANTS) >= {"sao", "grpo"}
+    assert {j["meta"]["variant"] for j in jobs} == set(testbed.V3_VARIANTS) >= {"sao", "grpo"}
     assert {(j["meta"]["turn_len"], j["meta"]["verdict_delay"]) for j in jobs} == {
         (16, 1), (16, 2), (64, 1), (64, 2)}
     j = next(j for j in jobs if j["meta"]["setting"] == "v3-d2-L16" and j["meta"]["seed"] == 3)
@@ -599,21 +601,21 @@ def test_v3_grid_runs_the_v2_regime_at_each_verdict_delay(tmp_path):
 
 def test_the_testbed_page_quotes_exactly_the_tables_of_the_committed_raw_files():
     """docs/testbed.md's compact result tables are generated from the committed raw files
-    (grid.page_tables, written by --report_only): a number in the page cannot go stale."""
-    page = (grid.ROOT / "docs" / "testbed.md").read_text()
-    for results, section in grid.PAGE_SECTIONS.items():
+    (testbed.page_tables, written by --report_only): a number in the page cannot go stale."""
+    page = (launcher.ROOT / "docs" / "testbed.md").read_text()
+    for results, section in testbed.PAGE_SECTIONS.items():
         start, end = f"<!-- {section}:start -->\n", f"<!-- {section}:end -->"
         if not results.exists():
             assert start + end in page            # no raw file yet: an empty section
             continue
         records = json.loads(results.read_text())["runs"]
         for r in records:
-            grid.check_record(r, results)
-        assert start + grid.page_tables(records) + end in page, section
+            launcher.check_record(r, results)
+        assert start + testbed.page_tables(records) + end in page, section
 
 
 def test_page_tables_format_on_hand_records(tmp_path):
-    md = grid.page_tables(hand_records())
+    md = testbed.page_tables(hand_records())
     lines = md.splitlines()
     assert lines[0].startswith("| | A: MPO |") and "| L = 8 |" in md and "streaming L = 4" in md
     ppo = next(line for line in lines if line.startswith("| L = 8 |") and "(" in line)
@@ -621,9 +623,9 @@ def test_page_tables_format_on_hand_records(tmp_path):
     assert f"+20.0 ± 5.8 ({p1:.3f} → {3 * p1:.3f})" in ppo
     page = tmp_path / "p.md"
     page.write_text("a\n<!-- x:start -->\nold\n<!-- x:end -->\nb\n")
-    assert grid.update_page(page, "x", md)
+    assert launcher.update_page(page, "x", md)
     assert page.read_text() == "a\n<!-- x:start -->\n" + md + "<!-- x:end -->\nb\n"
-    assert not grid.update_page(page, "y", md)
+    assert not launcher.update_page(page, "y", md)
 
 
 def test_provenance_summary_counts_each_records_code_state():
@@ -633,9 +635,9 @@ def test_provenance_summary_counts_each_records_code_state():
             {"commits": ["b+uncommitted changes"],
              "code": [{"commit": "b+uncommitted changes", "diff": "code-1.diff", "cpu": "x"}]},
             {"commits": ["c"], "code": [{"commit": "c", "diff": None, "cpu": "x"}]}]
-    assert [grid.code_state_of(r) for r in recs] == ["commit", "lost", "not recorded",
+    assert [testbed.code_state_of(r) for r in recs] == ["commit", "lost", "not recorded",
                                                      "diff saved", "commit"]
-    line = grid.provenance_summary(recs)
+    line = testbed.provenance_summary(recs)
     assert line.startswith("Code of the 5 records: 2 at a recorded clean commit, 1 at a commit "
                            "with a saved diff (rebuildable); 1 ran with uncommitted changes")
     assert "and 1 recorded no commit" in line
@@ -655,8 +657,8 @@ def map_hand_records() -> list[dict]:
 
 
 def test_the_map_turns_the_sign_and_names_wins_losses_and_ties(monkeypatch):
-    monkeypatch.setattr(grid, "MAP_SEEDS", 3)                 # the hand records' seeds
-    comps = {c["variant"]: c for c in grid.map_comparisons(map_hand_records())}
+    monkeypatch.setattr(testbed, "MAP_SEEDS", 3)                 # the hand records' seeds
+    comps = {c["variant"]: c for c in testbed.map_comparisons(map_hand_records())}
     assert set(comps) == {"ppo", "grpo", "vapo"}          # not "weird", not the v1 regime
     # A − X: ppo's X − A was +0.2 (tie: p 0.074 before Holm), grpo +0.3, vapo −0.3 (t = ±52)
     assert comps["ppo"]["mean"] == pytest.approx(-0.2) and comps["ppo"]["verdict"] == "tie"
@@ -665,7 +667,7 @@ def test_the_map_turns_the_sign_and_names_wins_losses_and_ties(monkeypatch):
     p = t_p_df2(0.3 / (0.01 / 3 ** 0.5))
     assert comps["vapo"]["p_holm"] == pytest.approx(min(1, 3 * p))     # the smallest of 3
     assert comps["ppo"]["p_holm"] == pytest.approx(t_p_df2(2 * 3 ** 0.5))   # the largest: × 1
-    md = grid.map_table(map_hand_records())
+    md = testbed.map_table(map_hand_records())
     row = next(line for line in md.splitlines() if line.startswith("| no verdict (v2) | 8 |"))
     cells = [c.strip() for c in row.split("|")[1:-1]]
     assert cells[2:4] == ["0.30", "–"]                   # A's critic: EV vs R later, no share
@@ -676,16 +678,16 @@ def test_the_map_turns_the_sign_and_names_wins_losses_and_ties(monkeypatch):
 
 def test_the_pages_hold_the_map_of_the_committed_raw_files(tmp_path):
     """docs/testbed.md and README.md quote the map generated from the committed raw files
-    (grid.write_map, run by every --report_only): its numbers cannot go stale."""
-    records = grid.map_records()
-    for page, compact in grid.MAP_PAGES.items():
+    (testbed.write_map, run by every --report_only): its numbers cannot go stale."""
+    records = testbed.map_records()
+    for page, compact in testbed.MAP_PAGES.items():
         doc = page.read_text()
-        text = grid.map_table(records, compact=compact)
+        text = testbed.map_table(records, compact=compact)
         assert "<!-- map:start -->\n" + text + "<!-- map:end -->" in doc, page.name
         if not compact:                                     # the README has no room for it
-            summary = grid.map_summary(records)
+            summary = testbed.map_summary(records)
             assert "<!-- map-summary:start -->\n" + summary + "<!-- map-summary:end -->" in doc
-    png = grid.map_figure(records, tmp_path / "map.png")
+    png = testbed.map_figure(records, tmp_path / "map.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -695,18 +697,18 @@ def test_the_map_refuses_a_corrupted_record(tmp_path):
     path = tmp_path / "results.json"
     path.write_text(json.dumps({"info": {}, "runs": bad}))
     with pytest.raises((ValueError, SystemExit), match="order|duplicat"):
-        grid.map_records([path])
+        testbed.map_records([path])
 
 
 def test_the_map_leaves_out_a_setting_until_its_grid_is_complete(monkeypatch):
-    monkeypatch.setattr(grid, "MAP_SEEDS", 3)
+    monkeypatch.setattr(testbed, "MAP_SEEDS", 3)
     records = map_hand_records()
     extra = [{**r, "setting": "v2-L16", "turn_len": 16} for r in records
              if r["setting"] == "v2-L8" and r["seed"] < 2]           # 2 of 3 seeds so far
-    md = grid.map_table(records + extra)
+    md = testbed.map_table(records + extra)
     assert "| L = 16 |" not in md and "| no verdict (v2) | 16 |" not in md
     assert "Not in the map until all their seeds are in: L = 16 (10 runs so far)" in md
-    full = grid.complete(records + extra, seeds=3)
+    full = testbed.complete(records + extra, seeds=3)
     assert {r["setting"] for r in full} == {"v2-L8", "v1-L8"}
-    assert grid.complete(records + extra, seeds=2) == records + extra
-    assert grid.running(records) == ""
+    assert testbed.complete(records + extra, seeds=2) == records + extra
+    assert testbed.running(records) == ""

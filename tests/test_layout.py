@@ -68,3 +68,29 @@ def test_the_docs_a_newcomer_reads_stay_short():
     first = next(i for i, line in enumerate((ROOT / "mpo.py").read_text().splitlines())
                  if line.startswith("def token_td_residuals"))
     assert first < 120, first
+
+
+STUDIES = ("launcher", "testbed", "grid", "testbed_why", "testbed_v4", "smol_study")
+
+
+def study_imports(name: str) -> set[str]:
+    """The files of STUDIES that experiments/<name>.py imports anywhere in its body."""
+    found = set()
+    for node in ast.walk(ast.parse((ROOT / "experiments" / f"{name}.py").read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name.split(".")[1] for a in node.names if a.name.startswith("experiments.")}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module == "experiments":
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("experiments."):
+            found.add(node.module.split(".")[1])
+    return found & set(STUDIES) - {name}
+
+
+def test_the_studies_import_downward_from_the_launcher():
+    """Issue 52: experiments/launcher.py (one run, a grid of runs, the record files) imports no
+    study; testbed.py (v1-v3, the map) the launcher; grid.py (the paper grids) both, for its
+    `testbed` command; the later studies what they use, never grid.py."""
+    assert {name: study_imports(name) for name in STUDIES} == {
+        "launcher": set(), "testbed": {"launcher"}, "grid": {"launcher", "testbed"},
+        "testbed_why": {"launcher", "testbed"}, "testbed_v4": {"launcher", "testbed"},
+        "smol_study": {"launcher"}}

@@ -175,7 +175,7 @@ def test_run_one_reads_steps_from_parse_config_and_launches_train_min(tmp_path, 
         write_jsonl(out / "eval" / "step_0006.jsonl", outcomes({0}))
     monkeypatch.setattr(subprocess, "run", no_subprocess)
     monkeypatch.setattr(st, "launch", fake_launch)
-    monkeypatch.setattr(st.grid, "git_commit", lambda: "aaa1111")
+    monkeypatch.setattr(st.launcher, "git_commit", lambda: "aaa1111")
     args = argparse.Namespace(runs=tmp_path / "runs", results=tmp_path / "results")
     write_run(args.results, "mpo_token_is", 0, {0}, final=5)         # finished at step 5
 
@@ -193,7 +193,7 @@ def test_run_one_reads_steps_from_parse_config_and_launches_train_min(tmp_path, 
         "aaa1111"]
     st.run_one("mpo", 1, args, ["--steps", "7"])                    # a first sitting, then
     (args.runs / "mpo-s1" / "checkpoints" / "latest").mkdir(parents=True)   # a checkpoint: resume
-    monkeypatch.setattr(st.grid, "git_commit", lambda: "bbb2222")   # on newer code
+    monkeypatch.setattr(st.launcher, "git_commit", lambda: "bbb2222")   # on newer code
     st.run_one("mpo", 1, args, ["--steps", "7"])
     assert launched[3][-1] == "--resume" and "--eval_first" not in launched[3]
     assert json.loads((args.results / "mpo-s1" / "commits.json").read_text()) == [
@@ -264,7 +264,7 @@ def test_run_one_records_the_starting_weights_and_report_flags_a_seed_that_mixes
         write_jsonl(out / "metrics.jsonl", [{"step": 2}])
         write_jsonl(out / "eval" / "step_0002.jsonl", outcomes({0}))
     monkeypatch.setattr(st, "launch", fake_launch)
-    monkeypatch.setattr(st.grid, "git_commit", lambda: "aaa1111")
+    monkeypatch.setattr(st.launcher, "git_commit", lambda: "aaa1111")
     args = argparse.Namespace(runs=tmp_path / "runs", results=tmp_path / "results")
     (model / "model.safetensors").write_bytes(b"weights one")
     st.run_one("mpo", 1, args, ["--steps", "5"])                      # stops short of step 5
@@ -337,7 +337,7 @@ def test_the_turn_critic_setting_runs_c_with_critic_turn_and_reports_apart_from_
         write_jsonl(out / "metrics.jsonl", [{"step": 6}])
         write_jsonl(out / "eval" / "step_0006.jsonl", outcomes({0, 1, 2, 3, 4, 5, 6}))
     monkeypatch.setattr(st, "launch", fake_launch)
-    monkeypatch.setattr(st.grid, "git_commit", lambda: "aaa1111")
+    monkeypatch.setattr(st.launcher, "git_commit", lambda: "aaa1111")
     results = tmp_path / "results"
     write_run(results, "mpo", 0, {0, 1, 2})
     write_run(results, "mpo_beta0", 0, {0})

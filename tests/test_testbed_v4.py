@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 import train_min
-from experiments import grid
+from experiments import launcher, significance as sig, testbed
 from experiments import testbed_v4 as v4
 from experiments import testbed_why as why
 
@@ -60,13 +60,13 @@ def test_a_record_keeps_the_credit_quality_of_its_policy_updates_and_every_turns
     marker = {"setting": "v4-K8", "regime": "v4", "variant": "mpo", "seed": 0, "turn_len": 16,
               "steps": 90, "warmup": 30,
               "structure": {f"ev_R_turn{k}": k / 8 for k in range(8)} | {"ev_R": 0.4}}
-    r = grid.v2_record(marker, rows)
+    r = testbed.v2_record(marker, rows)
     assert r["credit_corr"] == 0.5                        # the warm-up's updates left out
     assert r["credit_corr_turns"][:2] == [0.4, 0.6] and r["credit_corr_turns"][7] == 0.9
     assert r["credit_corr_turns"][2] is None and len(r["credit_corr_turns"]) == 8
     assert list(r["critic"]) == ["ev_R", *[f"ev_R_turn{k}" for k in range(8)]]
     assert r["critic"]["ev_R_turn7"] == 0.875
-    plain = grid.v2_record({**marker, "warmup": 0},
+    plain = testbed.v2_record({**marker, "warmup": 0},
                            [{k: x for k, x in row.items() if "credit" not in k} for row in rows])
     assert "credit_corr" not in plain                     # never logged: no field (v2, v3)
 
@@ -99,18 +99,18 @@ def test_paired_comparisons_within_each_setting_with_holm_over_the_section(monke
     by = {(c["setting"], c["row"], c["ref"]): c for c in comps}
     c = by[("v4-K2", "grpo", "mpo")]          # d = 0.3, 0.4, 0.3
     assert c["mean"] == pytest.approx(1 / 3) and c["se"] == pytest.approx(0.1 / 3 / math.sqrt(1))
-    assert [x["p_holm"] for x in comps] == pytest.approx(grid.holm([x["p"] for x in comps]))
+    assert [x["p_holm"] for x in comps] == pytest.approx(sig.holm([x["p"] for x in comps]))
     assert by[("v4-K8", "mpo", "grpo")]["mean"] == pytest.approx(0.2 / 3)   # 0, 0.1, 0.1
 
 
 def test_report_writes_tables_and_page_sections(tmp_path, monkeypatch):
     results = tmp_path / "docs" / "v4" / "results.json"
-    grid.write_results(results, {"command": "test"}, records())
+    launcher.write_results(results, {"command": "test"}, records())
     page = tmp_path / "testbed.md"
     page.write_text("a\n<!-- v4-tables:start -->\n<!-- v4-tables:end -->\nb\n")
     summary = tmp_path / "results.md"
     summary.write_text("<!-- v4-summary:start -->\n<!-- v4-summary:end -->\n")
-    monkeypatch.setattr(grid, "TESTBED_PAGE", page)
+    monkeypatch.setattr(testbed, "TESTBED_PAGE", page)
     monkeypatch.setattr(v4, "SUMMARY_PAGE", summary)
     monkeypatch.setattr(v4, "ROOT", tmp_path)
     monkeypatch.setattr(v4, "SEEDS", (0, 1, 2))
@@ -167,7 +167,7 @@ def test_the_added_arm_is_a_at_cs_rates_kept_apart_from_the_planned_runs(tmp_pat
                                           and r["seed"] == added[0]["seed"]
                                           and r["setting"] == added[0]["setting"]))
     results = tmp_path / "docs" / "v4" / "results.json"
-    grid.write_results(results, {"command": "test"}, planned + added)
+    launcher.write_results(results, {"command": "test"}, planned + added)
     assert v4.load(results) == planned and v4.load(results, added=True) == added
     monkeypatch.setattr(v4, "SEEDS", (0, 1, 2))
     table = v4.added_table(planned, added)
@@ -190,13 +190,13 @@ def test_the_map_tests_v4_in_its_own_family_as_its_page_does(monkeypatch):
     every variant against A and against GRPO), and adding them leaves the other studies' map
     cells as they were (their family is theirs)."""
     monkeypatch.setattr(v4, "SEEDS", (0, 1, 2))
-    monkeypatch.setattr(grid, "MAP_SEEDS", 3)
+    monkeypatch.setattr(testbed, "MAP_SEEDS", 3)
     page = {(c["setting"], c["row"]): c for c in v4.paired(records()) if c["ref"] == "mpo"}
     other = [dict(r, setting="v3-d1-L16", regime="v3-d1", turn_len=16,
                   final=r["final"] + 0.01 * r["seed"] ** 2) for r in records()
              if r["setting"] == "v4-K2"]
-    alone = {(c["setting"], c["variant"]): c for c in grid.map_comparisons(other)}
-    both = {(c["setting"], c["variant"]): c for c in grid.map_comparisons(other + records())}
+    alone = {(c["setting"], c["variant"]): c for c in testbed.map_comparisons(other)}
+    both = {(c["setting"], c["variant"]): c for c in testbed.map_comparisons(other + records())}
     assert {k for k in both if k[0].startswith("v4")} == set(page)
     for k, c in page.items():
         assert both[k]["mean"] == pytest.approx(-c["mean"])           # the map shows A − X
@@ -204,7 +204,7 @@ def test_the_map_tests_v4_in_its_own_family_as_its_page_does(monkeypatch):
         assert both[k]["family_size"] == 6
     for k, c in alone.items():
         assert both[k]["p_holm"] == c["p_holm"] and both[k]["family_size"] == 2
-    rows = grid.map_rows(other + records())
+    rows = testbed.map_rows(other + records())
     assert [r[1] for r in rows] == ["v3-d1", "v4-K2", "v4-K8"]
-    md = grid.map_table(other + records(), compact=True)
+    md = testbed.map_table(other + records(), compact=True)
     assert "| v4: K = 8 | 16 |" in md and "v4: its page's 6, against A and GRPO" in md

@@ -12,16 +12,16 @@ import torch
 import mpo
 import trainer.config
 import train_min
-from experiments import grid
+from experiments import launcher, significance as sig, testbed
 from experiments import testbed_why as why
 
 
 def v3_argv(variant: str, seed: int) -> list[str]:
     """v3's own job for (d = 1, L = 16, variant, seed), out_dir removed."""
     args = argparse.Namespace(v3=True, turn_lens=[16], delays=[1], variants=[variant],
-                              seeds=[seed], steps=grid.V2_STEPS, out=Path("/x"),
+                              seeds=[seed], steps=testbed.V2_STEPS, out=Path("/x"),
                               cache=Path("/c"))
-    [job] = grid.v2_jobs(args, [])
+    [job] = testbed.v2_jobs(args, [])
     argv = job["argv"]
     i = argv.index("--out_dir")
     return argv[:i] + argv[i + 2:]
@@ -38,7 +38,7 @@ def test_every_arm_is_v3s_run_plus_its_own_flags_and_nothing_else():
         own = argv[:i] + argv[i + 2:]
         expected = v3_argv(variant, 3)
         if arm.startswith("warmup"):      # 30 critic-only updates on top of the 60
-            expected[expected.index("--steps") + 1] = str(grid.V2_STEPS + why.WARMUP)
+            expected[expected.index("--steps") + 1] = str(testbed.V2_STEPS + why.WARMUP)
             assert job["meta"]["warmup"] == why.WARMUP
         assert own == expected + flags, arm
         assert job["meta"]["setting"] == "v3-d1-L16" and Path(job["out"]).name == \
@@ -80,11 +80,11 @@ def test_a_warm_up_run_is_scored_by_policy_update():
              **({"val/reward": s / 100} if s % 5 == 0 else {})} for s in range(1, 91)]
     marker = {"setting": "v3-d1-L16", "regime": "v3-d1", "variant": "mpo", "seed": 0,
               "turn_len": 16, "steps": 90, "warmup": 30, "arm": "warmup30"}
-    r = grid.v2_record(marker, rows)
+    r = testbed.v2_record(marker, rows)
     assert [s for s, _ in r["curve"]] == list(range(5, 61, 5))      # 12 policy-update points
     assert r["final"] == 0.9 and r["auc"] == pytest.approx(sum(range(35, 91, 5)) / 12 / 100)
     assert r["ev_at_warmup_end"] == 0.3 and r["arm"] == "warmup30"
-    plain = grid.v2_record({**marker, "warmup": 0, "steps": 60}, rows[:60])
+    plain = testbed.v2_record({**marker, "warmup": 0, "steps": 60}, rows[:60])
     assert [s for s, _ in plain["curve"]][0] == 5 and "ev_at_warmup_end" not in plain
 
 
@@ -114,17 +114,17 @@ def test_paired_rows_against_control_a_and_grpo_with_holm():
     assert c["mean"] == pytest.approx(0.2) and c["se"] == pytest.approx(0.1 / math.sqrt(3))
     assert c["t"] == pytest.approx(0.2 / (0.1 / math.sqrt(3)))
     assert c["p"] == pytest.approx(1 - c["t"] / math.sqrt(c["t"] ** 2 + 2))
-    assert sorted(x["p_holm"] for x in comps) == pytest.approx(sorted(grid.holm(
+    assert sorted(x["p_holm"] for x in comps) == pytest.approx(sorted(sig.holm(
         [x["p"] for x in comps])))
     assert sum(d) / 3 == pytest.approx(c["mean"])
 
 
 def test_report_writes_the_tables_and_the_page_section(tmp_path, monkeypatch):
     results = tmp_path / "docs" / "why" / "results.json"          # <ROOT>/docs/...
-    grid.write_results(results, {"command": "test"}, study_records())
+    launcher.write_results(results, {"command": "test"}, study_records())
     page = tmp_path / "testbed.md"
     page.write_text("a\n<!-- why-tables:start -->\n<!-- why-tables:end -->\nb\n")
-    monkeypatch.setattr(grid, "TESTBED_PAGE", page)
+    monkeypatch.setattr(testbed, "TESTBED_PAGE", page)
     summary = tmp_path / "results.md"
     summary.write_text("<!-- why-summary:start -->\n<!-- why-summary:end -->\n")
     monkeypatch.setattr(why, "SUMMARY_PAGE", summary)
@@ -153,7 +153,7 @@ def test_report_writes_the_tables_and_the_page_section(tmp_path, monkeypatch):
     vs_grpo = comps[(("lam_intra1", "mpo"), ("control", "grpo"))]["p_holm"]
     row = next(line for line in summary.read_text().splitlines() if "lam_intra1" in line)
     assert row == (f"| lam_intra1 | A: MPO | 70.0 ± 11.5 | 35.0 ± 5.8 | +20.0 "
-                   f"({grid.fmt_p(vs_a)}) | −13.3 ({grid.fmt_p(vs_grpo)}) |")
+                   f"({sig.fmt_p(vs_a)}) | −13.3 ({sig.fmt_p(vs_grpo)}) |")
     assert "CPU: AMD EPYC (no avx512)" in body and "0 with a saved diff" in body
 
 

@@ -53,7 +53,7 @@ class RunLock:
                 holder = self.path.read_text().split() if self.path.exists() else []
                 pid, host = (int(holder[0]), holder[1]) if len(holder) == 2 else (None, None)
                 ours = host == socket.gethostname()
-                if ours and pid == os.getpid():     # this process holds it (grid.run_one)
+                if ours and pid == os.getpid():     # this process holds it (launcher.run_one)
                     self.owned = False                # re-entered: the holder releases it
                     return self
                 if pid is not None and ours and not pid_alive(pid):
