@@ -320,6 +320,8 @@ def report(results: Path = RESULTS) -> str:
            added_table(records, added)] if added else [])])
     launcher.update_page(testbed.TESTBED_PAGE, PAGE_SECTION, body)
     launcher.update_page(SUMMARY_PAGE, SUMMARY_SECTION, trend_table(records))
+    if results.resolve() == RESULTS.resolve():        # the committed records: the map reads them
+        testbed.write_map()
     print(body)
     return body
 

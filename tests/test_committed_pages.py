@@ -39,7 +39,10 @@ def test_the_why_study_pages_are_its_report(monkeypatch, tmp_path, capsys):
 
 def test_the_v4_study_pages_are_its_report(monkeypatch, tmp_path, capsys):
     written = captured(monkeypatch, tmp_path)
+    maps = []
+    monkeypatch.setattr(testbed, "write_map", lambda: maps.append(1))   # checked in test_grid
     v4.report()
+    assert maps == [1]                 # the committed v4 records rewrite the map (it reads them)
     assert set(written) == {(testbed.TESTBED_PAGE, v4.PAGE_SECTION),
                             (v4.SUMMARY_PAGE, v4.SUMMARY_SECTION)}
     for (page, name), text in written.items():
