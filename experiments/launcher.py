@@ -505,6 +505,16 @@ def order_key(r: dict) -> tuple:
             variants.index(r["variant"]) if r["variant"] in variants else 99, r["seed"])
 
 
+def group(records: list[dict], fields: tuple[str, ...], order, seeds=None) -> dict:
+    """The records by the values of `fields` (e.g. ("setting", "variant")), each group in the
+    table order `order` (a sort key) and restricted to `seeds` (None: all)."""
+    out: dict[tuple, list[dict]] = {}
+    for r in sorted(records, key=order):
+        if seeds is None or r["seed"] in seeds:
+            out.setdefault(tuple(r[f] for f in fields), []).append(r)
+    return out
+
+
 def update_page(page: Path, name: str, text: str) -> bool:
     """Replace the text between `<!-- name:start -->` and `<!-- name:end -->` in `page` with
     `text`; False (page untouched) when the page has no such markers."""

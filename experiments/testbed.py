@@ -53,7 +53,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))    # run from anywhere
 from experiments.launcher import (COLORS, LABELS, MARKER, ROOT, check_record,  # noqa: E402
-                                  earlier_info, git_commit, load_records, mean_std,
+                                  earlier_info, git_commit, group, load_records, mean_std,
                                   merge_records, order_key, plot_curves, run_jobs, split_argv,
                                   update_page, write_results)
 from experiments.significance import ALPHA, diff_cell, fmt_p, holm, mean_se, paired_t  # noqa: E402
@@ -403,10 +403,8 @@ def collect_v2(out: Path, field: str = "regime") -> list[dict]:
 # --- statistics (experiments/significance.py): paired t-tests against A, Holm's correction ------------
 
 def cells_of(records: list[dict]) -> dict[tuple[str, str], list[dict]]:
-    cells: dict[tuple[str, str], list[dict]] = {}
-    for r in sorted(records, key=order_key):
-        cells.setdefault((r["setting"], r["variant"]), []).append(r)
-    return cells
+    """(setting, variant) -> its records, in table order."""
+    return group(records, ("setting", "variant"), order_key)
 
 
 def comparisons(records: list[dict], ref: str = "mpo", metric: str = "final",

@@ -138,11 +138,7 @@ def load(results: Path = RESULTS, added: bool = False) -> list[dict]:
 
 def cells_of(records: list[dict]) -> dict[tuple[str, str], list[dict]]:
     """(setting, variant) -> its records on the study's seeds, in table order."""
-    out: dict[tuple[str, str], list[dict]] = {}
-    for r in sorted(records, key=order):
-        if r["seed"] in SEEDS:
-            out.setdefault((r["setting"], r["variant"]), []).append(r)
-    return out
+    return launcher.group(records, ("setting", "variant"), order, SEEDS)
 
 
 def at_update(r: dict, update: int) -> float | None:

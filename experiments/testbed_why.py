@@ -190,11 +190,7 @@ def row_label(arm: str, variant: str) -> str:
 
 def rows_of(records: list[dict]) -> dict[tuple[str, str], list[dict]]:
     """(arm, variant) -> its records on the study's seeds, in table order."""
-    out: dict[tuple[str, str], list[dict]] = {}
-    for r in sorted(records, key=order):
-        if r["seed"] in SEEDS:
-            out.setdefault((r["arm"], r["variant"]), []).append(r)
-    return out
+    return launcher.group(records, ("arm", "variant"), order, SEEDS)
 
 
 def updates_to_half(r: dict) -> int | None:
