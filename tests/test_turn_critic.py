@@ -405,3 +405,25 @@ def test_tiny_run_with_a_turn_critic_checkpoints_the_head_and_resumes_exactly(ba
     assert head["linear.weight"].abs().max() > 0
     sa = load_file(split / "checkpoints" / "step_000004" / "value_head.safetensors")
     assert all(torch.equal(sa[k], head[k]) for k in head)
+
+
+def test_both_critics_are_one_interface_and_only_the_token_critic_trains_by_gradient(tiny_path,
+                                                                                      base):
+    """Issue 52: train_min holds its critic without asking which: ValueHead (the token critic)
+    and TurnValueHead (--critic turn) answer the same calls; what differs is in the answers."""
+    calls = ("begin", "features", "values", "finish", "param_groups", "epochs", "after_update")
+    token, turn = train_min.ValueHead(8), trainer.critics.TurnValueHead(8, layer=1)
+    for head in (token, turn):
+        assert all(callable(getattr(head, name)) for name in calls), type(head).__name__
+    assert (token.kind, turn.kind) == ("token", "turn")
+    mpo_cfg = make_cfg(tiny_path, base, "--variant", "mpo", "--ppo_epochs", "3")
+    grpo_cfg = make_cfg(tiny_path, base, "--variant", "grpo")
+    named = [("x.critic.lora_A", torch.nn.Parameter(torch.zeros(1))),
+             ("x.policy.lora_A", torch.nn.Parameter(torch.zeros(1)))]
+    groups = token.param_groups(named, mpo_cfg)
+    assert [len(g["params"]) for g in groups] == [1, 2]            # the adapter; weight and bias
+    assert [g["lr"] for g in groups] == [mpo_cfg.lr_critic, mpo_cfg.lr_value_head]
+    assert token.param_groups(named, grpo_cfg) == [] and token.epochs(grpo_cfg) == 0
+    assert token.epochs(mpo_cfg) == 3 and token.values(None, None, None, None, grpo_cfg) is None
+    assert turn.param_groups(named, mpo_cfg) == [] and turn.epochs(mpo_cfg) == 0
+    assert token.after_update({}) == {}
