@@ -140,7 +140,7 @@ def test_why_section_prose_numbers_come_from_its_raw_file():
         f"GRPO − A keeps its sign ({diff(('kl0', 'grpo'), ('kl0', 'mpo'))})",
         f"C − A = {diff(C, A)}, and it stays",
         f"(C(warm-up) − A(warm-up) = {diff(wC, wA)})",
-        f"(+5.6 ± 4.3 with the warm-up, −1.2 ± 5.9 with the turn critic",
+        "(+5.6 ± 4.3 with the warm-up, −1.2 ± 5.9 with the turn critic",
     ]
     assert diff(wC, G) == "+5.6 ± 4.3" and diff(tc, G) == "−1.2 ± 5.9"
     summary = page("docs/results.md")                 # the same numbers in the results page

@@ -171,7 +171,7 @@ def bench_steps(args, extra) -> None:
                   + f" | {sum(r[p] for p in PHASES):6.1f} s/step, {r['tokens']} tokens, "
                   f"first-minibatch max |log ratio| {r['first_ratio_max_abs_log']:.1e}",
                   flush=True)
-    print(f"\nmatmul rate at (5120, 576) x (576, 1536): "
+    print("\nmatmul rate at (5120, 576) x (576, 1536): "
           + ", ".join(f"{n} {rate[n] / 1e9:.0f} GFLOP/s" for n in DTYPES))
     med = {n: {p: statistics.median(r[p] for r in times[n]) for p in PHASES} for n in DTYPES}
     for n in DTYPES:
