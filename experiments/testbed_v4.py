@@ -119,10 +119,12 @@ def run_name(r: dict) -> str:
     return (f"{r['arm']}-" if r.get("arm") else "") + f"{r['setting']}-{r['variant']}-s{r['seed']}"
 
 
-def save(out: Path, results: Path, argv: list[str]) -> list[dict]:
-    """The finished runs' records into results (keeping committed records whose run folder is
-    gone), each sitting's diff copied beside them (diffs/)."""
-    records, kept = launcher.merge_records(results, testbed.collect_v2(out, "regime"), key, order)
+def save(out: Path, results: Path, argv: list[str], seeds=SEEDS) -> list[dict]:
+    """The finished runs' records of `seeds` into results (keeping committed records whose run
+    folder is gone), each sitting's diff copied beside them (diffs/). `collect --seeds 0 1 2`
+    leaves out a seed whose runs are still going, so the raw file holds whole seeds."""
+    found = [r for r in testbed.collect_v2(out, "regime") if r["seed"] in seeds]
+    records, kept = launcher.merge_records(results, found, key, order)
     return launcher.save_study(out, results, [r for r in records if r["regime"] == "v4"], run_name,
                                "python experiments/testbed_v4.py " + " ".join(argv),
                                len(SETTINGS) * len(VARIANTS) * len(SEEDS), kept)
@@ -344,7 +346,7 @@ def main(argv=None) -> str | None:
                               args.workers)
             save(out, args.results, argv)
         print(f"[v4] done in {(time.perf_counter() - t0) / 60:.1f} min", flush=True)
-    save(out, args.results, argv)
+    save(out, args.results, argv, args.seeds)
     return report(args.results)
 
 

@@ -208,3 +208,14 @@ def test_the_map_tests_v4_in_its_own_family_as_its_page_does(monkeypatch):
     assert [r[1] for r in rows] == ["v3-d1", "v4-K2", "v4-K8"]
     md = testbed.map_table(other + records(), compact=True)
     assert "| v4: K = 8 | 16 |" in md and "v4: its page's 6, against A and GRPO" in md
+
+
+def test_collect_keeps_only_the_seeds_it_is_given(tmp_path, monkeypatch):
+    """`collect --seeds ...` writes whole seeds: a seed whose runs are still going (here seed 2's
+    finished runs) stays out of the raw file, and a later collect adds it."""
+    monkeypatch.setattr(v4.testbed, "collect_v2", lambda out, field: records())
+    results = tmp_path / "results.json"
+    saved = v4.save(tmp_path, results, ["collect"], seeds=(0, 1))
+    assert {r["seed"] for r in saved} == {0, 1} and len(saved) == 10
+    assert {r["seed"] for r in launcher.load_records(results)} == {0, 1}
+    assert len(v4.save(tmp_path, results, ["collect"])) == 15          # default: every seed
