@@ -56,7 +56,8 @@ from experiments.launcher import (COLORS, LABELS, MARKER, ROOT, check_record,  #
                                   earlier_info, git_commit, group, load_records, mean_std,
                                   merge_records, order_key, plot_curves, run_jobs, split_argv,
                                   update_page, write_results)
-from experiments.significance import ALPHA, diff_cell, fmt_p, holm, mean_se, paired_t  # noqa: E402
+from experiments.significance import (ALPHA, diff_cell, fmt_p, holm, mean_se,  # noqa: E402
+                                      paired_family)
 
 TESTBED_VARIANTS = ("mpo", "mpo_token_is", "mpo_beta0", "ppo", "grpo")
 STREAM_VARIANTS = ("mpo", "ppo", "grpo")
@@ -412,18 +413,12 @@ def comparisons(records: list[dict], ref: str = "mpo", metric: str = "final",
     """Every (setting, variant ≠ ref) minus ref on `metric`, paired by seed, with the paired t-test
     and the Holm-adjusted p over exactly these comparisons (the page's family; holm_p=False: the
     caller adjusts over a larger family)."""
-    by = {(r["setting"], r["variant"], r["seed"]): r[metric] for r in records}
-    out = []
-    for (setting, variant), rs in cells_of(records).items():
-        seeds = [r["seed"] for r in rs if (setting, ref, r["seed"]) in by]
-        if variant == ref or len(seeds) < 2:
-            continue
-        x = [by[(setting, variant, s)] for s in seeds]
-        a = [by[(setting, ref, s)] for s in seeds]
-        out.append({"setting": setting, "variant": variant, **paired_t(x, a)})
-    for c, p in zip(out, holm([c["p"] for c in out]) if holm_p else ()):
-        c["p_holm"] = p
-    return out
+    cells = cells_of(records)
+    values = {key: {r["seed"]: r[metric] for r in rs} for key, rs in cells.items()}
+    pairs = [(key, (key[0], ref)) for key in cells if key[1] != ref]
+    return [{"setting": c["row"][0], "variant": c["row"][1],
+             **{k: x for k, x in c.items() if k not in ("row", "ref")}}
+            for c in paired_family(values, pairs, holm_p=holm_p)]
 
 
 def v2_cell_table(records: list[dict]) -> str:

@@ -182,25 +182,12 @@ def paired(records: list[dict], metric: str = "final") -> list[dict]:
     Holm over the section's family) only once both cells hold every study seed, as designed:
     a comparison on fewer seeds gets its paired mean ± SE and no p (`p` None)."""
     cells = cells_of(records)
-    by = {(s, v, r["seed"]): r[metric] for (s, v), rs in cells.items() for r in rs}
-    comps = []
-    for setting in SETTINGS:
-        for ref in ("mpo", "grpo"):
-            for v in VARIANTS:
-                if v == ref or (setting, v) not in cells or (setting, ref) not in cells:
-                    continue
-                seeds = [s for s in SEEDS if (setting, v, s) in by and (setting, ref, s) in by]
-                if len(seeds) < 2:
-                    continue
-                t = sig.paired_t([by[(setting, v, s)] for s in seeds],
-                                  [by[(setting, ref, s)] for s in seeds])
-                if len(seeds) < len(SEEDS):
-                    t["p"] = None
-                comps.append({"setting": setting, "row": v, "ref": ref, **t})
-    tested = [c for c in comps if c["p"] is not None]
-    for c, p in zip(tested, sig.holm([c["p"] for c in tested])):
-        c["p_holm"] = p
-    return comps
+    values = {key: {r["seed"]: r[metric] for r in rs} for key, rs in cells.items()}
+    pairs = [((setting, v), (setting, ref)) for setting in SETTINGS for ref in ("mpo", "grpo")
+             for v in VARIANTS if v != ref and (setting, v) in cells and (setting, ref) in cells]
+    return [{"setting": c["row"][0], "row": c["row"][1], "ref": c["ref"][1],
+             **{k: x for k, x in c.items() if k not in ("row", "ref")}}
+            for c in sig.paired_family(values, pairs, SEEDS, complete_only=True)]
 
 
 def paired_table(comps: list[dict]) -> str:
@@ -263,21 +250,16 @@ def added_table(records: list[dict], added: list[dict]) -> str:
     """Each added arm per setting: final success, its critic, the within-turn share of its
     advantages, and its paired differences from the planned A and C (Holm over this table)."""
     cells = cells_of(records)
-    comps = []
-    for arm in ADDED:
-        for setting in SETTINGS:
-            mine = {r["seed"]: r for r in added if r["arm"] == arm and r["setting"] == setting}
-            for ref in ("mpo", "mpo_beta0"):
-                theirs = {r["seed"]: r for r in cells.get((setting, ref), [])}
-                seeds = sorted(set(mine) & set(theirs))
-                if len(seeds) >= 2:
-                    t = sig.paired_t([mine[s]["final"] for s in seeds],
-                                     [theirs[s]["final"] for s in seeds])
-                    t["p"] = t["p"] if len(seeds) == len(SEEDS) else None   # as `paired`
-                    comps.append({"arm": arm, "setting": setting, "ref": ref, **t})
-    tested = [c for c in comps if c["p"] is not None]
-    for c, p in zip(tested, sig.holm([c["p"] for c in tested])):
-        c["p_holm"] = p
+    values = {(setting, ref): {r["seed"]: r["final"] for r in rs}
+              for (setting, ref), rs in cells.items()}
+    values |= {(arm, setting): {r["seed"]: r["final"] for r in added
+                                if r["arm"] == arm and r["setting"] == setting}
+               for arm in ADDED for setting in SETTINGS}
+    pairs = [((arm, setting), (setting, ref)) for arm in ADDED for setting in SETTINGS
+             for ref in ("mpo", "mpo_beta0")]
+    comps = [{"arm": c["row"][0], "setting": c["row"][1], "ref": c["ref"][1],
+              **{k: x for k, x in c.items() if k not in ("row", "ref")}}
+             for c in sig.paired_family(values, pairs, SEEDS, complete_only=True)]
     by = {(c["arm"], c["setting"], c["ref"]): c for c in comps}
     lines = ["| arm | setting | seeds | final success | critic EV vs R, turn 0 / 1 / … | "
              "within-turn share | − A: Δ final (p → Holm p) | − C: Δ final (p → Holm p) |",

@@ -547,6 +547,21 @@ def test_paired_t_matches_scipy_and_gives_no_test_for_identical_differences():
     assert sig.paired_t([0.5, 0.5], [0.5, 0.5])["p"] == 1.0
 
 
+def test_paired_family_pairs_common_seeds_and_holms_only_the_tested():
+    values = {"a": {0: 0.5, 1: 0.7, 2: 0.6}, "b": {0: 0.4, 1: 0.4, 2: 0.4},
+              "c": {1: 0.9, 2: 0.3}, "d": {0: 0.1}}
+    comps = sig.paired_family(values, [("a", "b"), ("c", "b"), ("d", "b")])
+    assert [(c["row"], c["ref"], c["n"]) for c in comps] == [("a", "b", 3), ("c", "b", 2)]
+    assert math.isclose(comps[0]["p"], 0.0742, abs_tol=5e-4)          # as paired_t's by hand
+    assert math.isclose(comps[1]["mean"], 0.2)                           # seeds 1, 2: 0.5, −0.1
+    assert [c["p_holm"] for c in comps] == pytest.approx(sig.holm([c["p"] for c in comps]))
+    # complete_only: c lacks seed 0, so it keeps its mean ± SE but leaves the family
+    part = sig.paired_family(values, [("a", "b"), ("c", "b")], [0, 1, 2], complete_only=True)
+    assert part[1]["p"] is None and "p_holm" not in part[1]
+    assert part[0]["p_holm"] == part[0]["p"]                             # a family of one
+    assert "p_holm" not in sig.paired_family(values, [("a", "b")], holm_p=False)[0]
+
+
 
 def test_merge_records_keeps_committed_runs_the_new_runs_lack_and_lets_new_ones_win(tmp_path):
     def rec(setting, variant, seed, final):
