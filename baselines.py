@@ -15,10 +15,9 @@ import math
 
 import torch
 
-from mpo import (_CLAMP, _TARGETS, _as_float, _check_float, _check_num_tokens, _check_number,
-                 _check_positive, _check_tensor, _check_unit, _compute_dtype, _masked,
-                 _own_token_ratio, _refuse_grad, _td, _token_trace, _validate_action_mask,
-                 _validate_logps, masked_whiten)
+from mpo import (_TARGETS, _as_float, _check_coefficients, _check_num_tokens, _compute_dtype,
+                 _masked, _own_token_ratio, _refuse_grad, _td, _token_trace,
+                 _validate_action_mask, _validate_tokens, masked_whiten)
 
 
 # --- VAPO ------------------------------------------------------------------------------------
@@ -34,7 +33,7 @@ def vapo_advantages(rewards: torch.Tensor, values: torch.Tensor, action_mask: to
     """
     _refuse_grad(_TARGETS.format("vapo_advantages"), rewards=rewards, values=values)
     if validate:
-        alpha, critic_lam = _check_positive("alpha", alpha), _check_unit("critic_lam", critic_lam)
+        alpha, critic_lam = _check_coefficients(alpha=alpha, critic_lam=critic_lam)
         _validate_action_mask(rewards, values, action_mask)
     act = action_mask.bool()
     delta = _td(rewards, values, act)                                         # (B, T) δ, γ = 1
@@ -68,15 +67,9 @@ def sao_advantages(rewards: torch.Tensor, values: torch.Tensor, action_mask: tor
 
 def _validate_sao_loss(logp, old_logp, advantages, turn_ids, eps_low, eps_high, num_tokens,
                        max_log_ratio) -> None:
-    _validate_logps(logp, old_logp, turn_ids)
-    _check_tensor("advantages", advantages, turn_ids)
-    _check_float("advantages", advantages, turn_ids >= 0)
-    _check_number("eps_low", eps_low, lambda v: 0 < v < 1,
-                  "a number in (0, 1), so that the band's lower edge 1 - eps_low is in (0, 1)")
-    _check_positive("eps_high", eps_high, "a finite number > 0")
-    _check_positive("max_log_ratio", max_log_ratio, _CLAMP)
-    if num_tokens is not None:
-        _check_num_tokens(num_tokens, turn_ids >= 0)
+    _validate_tokens(turn_ids, logp=logp, old_logp=old_logp, advantages=advantages)
+    _check_coefficients(eps_low=eps_low, eps_high=eps_high, max_log_ratio=max_log_ratio)
+    _check_num_tokens(num_tokens, turn_ids >= 0)
 
 
 def sao_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,

@@ -81,10 +81,7 @@ def outcome_rewards(scores: torch.Tensor, turn_ids: torch.Tensor) -> torch.Tenso
     Args: scores (B,) float, one per row; turn_ids (B, T) int64. Returns: rewards (B, T).
     """
     _check_turn_ids(turn_ids)
-    _check_tensor("scores", scores, dims=1)
-    if scores.shape[0] != turn_ids.shape[0] or scores.device != turn_ids.device:
-        raise ValueError(f"scores must have shape ({turn_ids.shape[0]},) on {turn_ids.device}, "
-                         f"got {tuple(scores.shape)} on {scores.device}")
+    _check_rows(turn_ids, scores=scores)
     _check_float("scores", scores)
     B, T = turn_ids.shape
     pos = torch.arange(T, device=turn_ids.device).expand(B, T)
@@ -104,7 +101,7 @@ def token_td_residuals(rewards: torch.Tensor, values: torch.Tensor, turn_ids: to
     Args: rewards, values (B, T) float; turn_ids (B, T) int64. Returns: delta (B, T).
     """
     if validate:
-        _validate_rewards_values(rewards, values, turn_ids)
+        _validate_tokens(turn_ids, rewards=rewards, values=values)
     return _td(rewards, values, turn_ids >= 0)                                # (B, T)
 
 
@@ -143,7 +140,10 @@ def turn_gae(delta_turn: torch.Tensor, turn_mask: torch.Tensor, lam: float,
     Args: delta_turn (B, K); turn_mask (B, K) bool; lam λ in [0, 1]. Returns: adv_turn (B, K).
     """
     if validate:
-        lam = _validate_turn_gae(delta_turn, turn_mask, lam)
+        [lam] = _check_coefficients(lam=lam)
+        _check_tensor("delta_turn", delta_turn)
+        _check_tensor("turn_mask", turn_mask, delta_turn, ref_name="delta_turn")
+        _check_float("delta_turn", delta_turn, turn_mask.bool())
     mask, dtype = turn_mask.bool(), _compute_dtype(delta_turn)
     d = _masked(delta_turn, mask, dtype)                                      # (B, K)
     decay = _masked(torch.full_like(d, _as_float(lam)), mask, dtype)          # λ between turns
@@ -158,7 +158,7 @@ def intra_turn_traces(delta: torch.Tensor, turn_ids: torch.Tensor, lam_intra: fl
     Args: delta (B, T); turn_ids (B, T) int64; lam_intra λ_intra in [0, 1]. Returns: (B, T).
     """
     if validate:
-        lam_intra = _check_unit("lam_intra", lam_intra)
+        [lam_intra] = _check_coefficients(lam_intra=lam_intra)
         _validate_tokens(turn_ids, delta=delta)
     dtype, act = _compute_dtype(delta), turn_ids >= 0
     d = _masked(delta, act, dtype)                                            # (B, T)
@@ -178,7 +178,8 @@ def mae_projection(adv_turn: torch.Tensor, adv_intra: torch.Tensor, turn_ids: to
     Args: adv_turn (B, K); adv_intra (B, T); turn_ids (B, T); beta β >= 0. Returns: (B, T).
     """
     if validate:
-        beta = _validate_mae_projection(adv_turn, adv_intra, turn_ids, beta)
+        [beta] = _check_coefficients(beta=beta)
+        _check_rows(turn_ids, _validate_tokens(turn_ids, adv_intra=adv_intra), adv_turn=adv_turn)
     dtype, act, K = _compute_dtype(adv_intra), turn_ids >= 0, adv_turn.shape[1]
     intra = _masked(adv_intra, act, dtype)                                    # (B, T)
     length = _per_turn_sum(act.to(dtype), turn_ids, K)                        # (B, K) L_t
@@ -198,9 +199,9 @@ def multiscale_lambda_returns(values: torch.Tensor, adv_turn: torch.Tensor,
     Args: values, adv_intra (B, T); adv_turn (B, K); turn_ids (B, T); lam, lam_intra in [0, 1].
     """
     if validate:
-        lam, lam_intra = _check_unit("lam", lam), _check_unit("lam_intra", lam_intra)
-        _check_adv_turn(adv_turn, turn_ids,
-                        _validate_tokens(turn_ids, values=values, adv_intra=adv_intra))
+        lam, lam_intra = _check_coefficients(lam=lam, lam_intra=lam_intra)
+        K = _validate_tokens(turn_ids, values=values, adv_intra=adv_intra)
+        _check_rows(turn_ids, K, adv_turn=adv_turn)
     dtype, act = _compute_dtype(adv_intra), turn_ids >= 0
     length = _per_turn_sum(act.to(dtype), turn_ids, adv_turn.shape[1])       # (B, K) L_t
     rank = torch.cumsum(act.to(dtype), dim=1)                                 # (B, T) tokens so far
@@ -242,8 +243,9 @@ def mpo_advantages(rewards: torch.Tensor, values: torch.Tensor, turn_ids: torch.
         raise ValueError(f"critic_target must be one of {CRITIC_TARGETS}, got {critic_target!r}")
     _refuse_grad(_TARGETS.format("mpo_advantages"), rewards=rewards, values=values)
     if validate:                # K read once, here; the steps below trust their caller
-        lam, lam_intra, beta, num_turns = _validate_mpo_advantages(
-            rewards, values, turn_ids, lam, lam_intra, beta, num_turns)
+        lam, lam_intra, beta = _check_coefficients(lam=lam, lam_intra=lam_intra, beta=beta)
+        K = _validate_tokens(turn_ids, num_turns, rewards=rewards, values=values)
+        num_turns = K if num_turns is None else num_turns
     act = turn_ids >= 0
     delta = token_td_residuals(rewards, values, turn_ids, validate=False)            # (M1) (B, T)
     delta_turn, turn_mask = turn_residual_sums(delta, turn_ids, num_turns, validate=False)  # (M2)
@@ -279,8 +281,8 @@ def turn_ratio(logp: torch.Tensor, old_logp: torch.Tensor, turn_ids: torch.Tenso
     max_log_ratio: clamp of a turn's log-ratio sum. Returns: ratio (B, T), ρ̃ on turns, else 1.
     """
     if validate:
-        max_log_ratio = _check_positive("max_log_ratio", max_log_ratio, _CLAMP)
-        _validate_logps(logp, old_logp, turn_ids)
+        [max_log_ratio] = _check_coefficients(max_log_ratio=max_log_ratio)
+        _validate_tokens(turn_ids, logp=logp, old_logp=old_logp)
     dtype, act, T = _compute_dtype(logp), turn_ids >= 0, turn_ids.shape[1]
     log_ratio = _masked(logp.to(dtype) - old_logp.to(dtype), act, dtype)      # (B, T) ℓ_{t,i}
     S = _per_turn_sum(log_ratio.detach(), turn_ids, T)       # (B, T) wide: no sync to find K
@@ -311,8 +313,10 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
         clip_eps, clip_eps_high = GSPO_CLIP[0], clip_eps_high or GSPO_CLIP[1]
     clip_eps = 0.2 if clip_eps is None else clip_eps
     if validate:
-        _validate_policy_loss(logp, old_logp, advantages, turn_ids, clip_eps, clip_eps_high,
-                              dual_clip, num_tokens, max_log_ratio)
+        _validate_tokens(turn_ids, logp=logp, old_logp=old_logp, advantages=advantages)
+        _check_coefficients(clip_eps=clip_eps, clip_eps_high=clip_eps_high, dual_clip=dual_clip,
+                            max_log_ratio=max_log_ratio)
+        _check_num_tokens(num_tokens, turn_ids >= 0)
     _refuse_grad("policy_loss differentiates logp only", old_logp=old_logp, advantages=advantages)
     eps_low = _as_float(clip_eps)
     eps_high = eps_low if clip_eps_high is None else _as_float(clip_eps_high)
@@ -360,10 +364,8 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     """
     if validate:
         _validate_tokens(turn_ids, values=values, old_values=old_values, returns=returns)
-        if clip is not None:
-            clip = _check_positive("clip", clip, "> 0 or None")
-        if num_tokens is not None:
-            _check_num_tokens(num_tokens, turn_ids >= 0)
+        [clip] = _check_coefficients(clip=clip)
+        _check_num_tokens(num_tokens, turn_ids >= 0)
     dtype, act = _compute_dtype(values), turn_ids >= 0
     v, R = _masked(values, act, dtype), _masked(returns, act, dtype)   # junk off the turns
     err = (v - R) ** 2                                                 # never reaches a gradient
@@ -412,7 +414,7 @@ def spread_turn_values(values_turn: torch.Tensor, turn_ids: torch.Tensor, *,
     "lambda_return" would shrink it by λ_intra^(L_t − 1) at a turn's start).
     """
     if validate:
-        _check_adv_turn(values_turn, turn_ids, _check_turn_ids(turn_ids), "values_turn")
+        _check_rows(turn_ids, _check_turn_ids(turn_ids), values_turn=values_turn)
         _check_float("values_turn", values_turn)
     return _gather_turn(values_turn, turn_ids)                               # (B, T)
 
@@ -437,7 +439,7 @@ def token_gae(rewards: torch.Tensor, values: torch.Tensor, action_mask: torch.Te
     """
     _refuse_grad(_TARGETS.format("token_gae"), rewards=rewards, values=values)
     if validate:
-        lam, gamma = _check_unit("lam", lam), _check_unit("gamma", gamma)
+        lam, gamma = _check_coefficients(lam=lam, gamma=gamma)
         _validate_action_mask(rewards, values, action_mask)
     act = action_mask.bool()
     delta = _td(rewards, values, act, gamma)                                  # (B, T)
@@ -458,7 +460,11 @@ def grpo_advantages(scores: torch.Tensor, group_ids: torch.Tensor, turn_ids: tor
     Args: scores (B,) float; group_ids (B,) int; turn_ids (B, T) int64. Returns: (B, T).
     """
     if validate:
-        _validate_grpo(scores, group_ids, turn_ids)
+        _check_turn_ids(turn_ids)
+        _check_rows(turn_ids, scores=scores, group_ids=group_ids)
+        if group_ids.is_floating_point():
+            raise TypeError(f"group_ids must be an integer tensor, got {group_ids.dtype}")
+        _check_float("scores", scores)
     dtype = _compute_dtype(scores)
     R = scores.to(dtype)
     same = (group_ids[:, None] == group_ids[None, :]).to(dtype)               # (B, B)
@@ -609,15 +615,14 @@ def _as_float(x) -> float:
 
 # --- Input validation at the public entry points (validate=False skips it): no number changes ---
 def _check_tensor(name, x, ref=None, dims=2, ref_name="turn_ids") -> None:
+    """x is a torch.Tensor with `dims` dimensions, and the shape and device of ref if given."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if x.dim() != dims:
         raise ValueError(f"{name} must have {dims} dimensions, got shape {tuple(x.shape)}")
-    if ref is not None and x.shape != ref.shape:
-        raise ValueError(f"{name} has shape {tuple(x.shape)} but {ref_name} has shape "
-                         f"{tuple(ref.shape)}")
-    if ref is not None and x.device != ref.device:
-        raise ValueError(f"{name} is on {x.device} but {ref_name} is on {ref.device}")
+    if ref is not None and (x.shape != ref.shape or x.device != ref.device):
+        raise ValueError(f"{name} has shape {tuple(x.shape)} on {x.device} but {ref_name} has "
+                         f"shape {tuple(ref.shape)} on {ref.device}")
 
 
 def _check_float(name: str, x: torch.Tensor, mask: torch.Tensor | None = None) -> None:
@@ -634,64 +639,104 @@ def _check_turn_ids(turn_ids) -> int:
     _check_tensor("turn_ids", turn_ids)
     if turn_ids.dtype.is_floating_point or turn_ids.dtype == torch.bool or turn_ids.is_complex():
         raise TypeError(f"turn_ids must be an integer tensor (int64), got {turn_ids.dtype}")
-    if turn_ids.numel() == 0:
-        return 0
     ids = turn_ids.long()
     if bool((ids < -1).any()):
         raise ValueError("turn_ids holds values below -1; use -1 for non-action positions")
     # Valid iff every run of equal ids is numbered by its rank among the row's runs: a turn split
     # by -1 (two runs, one id), a gap and a wrong order all give a run whose id is not its rank.
     starts = _turn_starts(ids)                                                # (B, T)
-    rank = torch.cumsum(starts, dim=1) - 1                                    # (B, T) run number
-    bad = (ids >= 0) & (ids != rank)
+    bad = (ids >= 0) & (ids != torch.cumsum(starts, dim=1) - 1)               # id != run number
     if bool(bad.any()):
         b = int(bad.any(dim=1).nonzero()[0])          # the first bad row: say what is wrong
         runs = ids[b][starts[b]].tolist()
-        if len(set(runs)) < len(runs):
-            raise ValueError("turn_ids: a turn is split by non-turn tokens (-1); turns must be "
-                             f"contiguous (row {b} has runs numbered {runs[:8]})")
-        raise ValueError("turn_ids: turns must appear in order 0, 1, 2, ... in each row, without "
-                         f"gaps (row {b} has runs numbered {runs[:8]})")
-    return int(ids.max().clamp(min=-1)) + 1
+        what = ("a turn is split by non-turn tokens (-1); turns must be contiguous"
+                if len(set(runs)) < len(runs) else
+                "turns must appear in order 0, 1, 2, ... in each row, without gaps")
+        raise ValueError(f"turn_ids: {what} (row {b} has runs numbered {runs[:8]})")
+    return _num_turns(ids)
+
+
+def _validate_tokens(turn_ids, num_turns: int | None = None, *, layout: str = "turn_ids",
+                     **tensors) -> int:
+    """The turn layout, a bound num_turns on its turn count, and each named (B, T) tensor: the
+    shape and device of turn_ids, floating point, finite at action positions; `rewards` also 0
+    off them. layout: what messages call turn_ids (token_gae's "action_mask"). Returns K."""
+    K, act = _check_turn_ids(turn_ids), turn_ids >= 0
+    for name, x in tensors.items():
+        _check_tensor(name, x, turn_ids, ref_name=layout)
+        _check_float(name, x, act)
+    if num_turns is not None and num_turns < K:
+        raise ValueError(f"num_turns={num_turns} but turn_ids holds {K} turns")
+    if "rewards" in tensors and bool(((tensors["rewards"] != 0) & ~act).any()):
+        off = "turn_ids == -1" if layout == "turn_ids" else f"{layout} == 0"
+        raise ValueError(f"rewards must be 0 off action positions ({off}); put a reward on the "
+                         "action token that earned it")
+    return K
+
+
+def _validate_action_mask(rewards, values, action_mask) -> None:
+    """token_gae's input (VAPO's too): a 0/1 action_mask, the shapes of rewards and values, then
+    `_validate_tokens`'s checks with the mask in the place of turn_ids."""
+    ids = turn_ids_from_mask(action_mask)                                      # checks the mask
+    _check_tensor("rewards", rewards, action_mask, ref_name="action_mask")
+    _check_tensor("values", values, action_mask, ref_name="action_mask")
+    _validate_tokens(ids, layout="action_mask", rewards=rewards, values=values)
+
+
+def _check_rows(turn_ids, K: int | None = None, **tensors) -> None:
+    """Each named tensor holds one entry per row of turn_ids, (B,) on its device, or given K one
+    per turn, (B, >= K)."""
+    B = turn_ids.shape[0]
+    for name, x in tensors.items():
+        _check_tensor(name, x, dims=1 if K is None else 2)
+        if x.shape[0] != B or (x.device != turn_ids.device if K is None else x.shape[1] < K):
+            want = f"({B},) on {turn_ids.device}" if K is None else f"({B}, >= {K})"
+            raise ValueError(f"{name} must have shape {want}, got {tuple(x.shape)} on {x.device}")
 
 
 def _check_number(name: str, x, ok, what: str) -> float:
-    """x as a Python float: a Python, numpy or 0-dim torch real number (not a bool)."""
-    if isinstance(x, torch.Tensor):
-        if x.dim() != 0 or x.dtype == torch.bool or x.is_complex():
-            raise TypeError(f"{name} must be a real number or a 0-dim real tensor, got a "
-                            f"{x.dtype} tensor of shape {tuple(x.shape)}")
-        x = x.item()
-    elif isinstance(x, bool) or not isinstance(x, numbers.Real):
-        raise TypeError(f"{name} must be a real number, got {type(x).__name__}")
-    x = float(x)
-    if not ok(x):                                      # NaN fails every comparison
-        raise ValueError(f"{name} must be {what}, got {x!r}")
-    return x
+    """x as a Python float, if ok(x): a Python, numpy or 0-dim torch real number (not a bool)."""
+    v = x.item() if isinstance(x, torch.Tensor) and x.dim() == 0 else x
+    if isinstance(v, (bool, torch.Tensor)) or not isinstance(v, numbers.Real):
+        got = (f"a {x.dtype} tensor of shape {tuple(x.shape)}" if isinstance(x, torch.Tensor)
+               else type(x).__name__)
+        raise TypeError(f"{name} must be a real number or a 0-dim real tensor, got {got}")
+    if not ok(float(v)):                               # NaN fails every comparison
+        raise ValueError(f"{name} must be {what}, got {float(v)!r}")
+    return float(v)
 
 
-def _check_unit(name: str, x) -> float:
-    return _check_number(name, x, lambda v: 0.0 <= v <= 1.0, "a number in [0, 1]")
+# Each coefficient's range, here and in baselines.py: (a test of its float, what it must be).
+_IN_UNIT = (lambda v: 0.0 <= v <= 1.0, "a number in [0, 1]")
+_POSITIVE = (lambda v: 0.0 < v < math.inf, "> 0")
+_COEFFICIENTS = {"lam": _IN_UNIT, "lam_intra": _IN_UNIT, "gamma": _IN_UNIT,
+                 "beta": (lambda v: 0.0 <= v < math.inf, "a finite number >= 0"),
+                 "clip_eps": _POSITIVE, "clip_eps_high": _POSITIVE,
+                 "max_log_ratio": (_POSITIVE[0], _CLAMP), "clip": (_POSITIVE[0], "> 0 or None"),
+                 "dual_clip": (lambda v: 1.0 < v < math.inf, "> 1 (or None)"),
+                 "alpha": _POSITIVE, "critic_lam": _IN_UNIT,                 # baselines.py's
+                 "eps_low": (lambda v: 0.0 < v < 1.0, "a number in (0, 1), so that the band's "
+                             "lower edge 1 - eps_low is in (0, 1)"),
+                 "eps_high": (_POSITIVE[0], "a finite number > 0")}
+_OPTIONAL = ("clip_eps_high", "dual_clip", "clip")              # None: the feature is off
 
 
-def _check_positive(name: str, x, what: str = "> 0") -> float:
-    return _check_number(name, x, lambda v: 0 < v < math.inf, what)
+def _check_coefficients(**coefficients) -> list:
+    """The named scalar coefficients, in order, as floats in their `_COEFFICIENTS` ranges."""
+    return [None if x is None and name in _OPTIONAL
+            else _check_number(name, x, *_COEFFICIENTS[name]) for name, x in coefficients.items()]
 
 
 def _check_num_tokens(num_tokens, act: torch.Tensor) -> None:
-    """num_tokens: a whole number >= 1 and >= this batch's own action-token count."""
+    """num_tokens: None, or a whole number >= 1 (one-element tensors too), >= this batch's own."""
+    if num_tokens is None:
+        return
     what = "a whole number >= 1: the action-token count of the full batch (None: this batch's)"
-    if isinstance(num_tokens, torch.Tensor):
-        if num_tokens.numel() != 1 or num_tokens.is_complex() or num_tokens.dtype == torch.bool:
-            raise TypeError(f"num_tokens must be {what}, got a tensor of shape "
-                            f"{tuple(num_tokens.shape)}")
-        num_tokens = num_tokens.item()
-    elif isinstance(num_tokens, bool) or not isinstance(num_tokens, numbers.Real):
-        raise TypeError(f"num_tokens must be {what}, got {type(num_tokens).__name__}")
-    if not (math.isfinite(num_tokens) and num_tokens >= 1 and float(num_tokens).is_integer()):
-        raise ValueError(f"num_tokens must be {what}, got {num_tokens!r}")
-    if num_tokens < int(act.sum()):
-        raise ValueError(f"num_tokens={num_tokens!r} is below this batch's own {int(act.sum())} "
+    one = isinstance(num_tokens, torch.Tensor) and num_tokens.numel() == 1
+    n = _check_number("num_tokens", num_tokens.reshape(()) if one else num_tokens,
+                      lambda v: v >= 1 and v.is_integer(), what)
+    if n < int(act.sum()):
+        raise ValueError(f"num_tokens={int(n)} is below this batch's own {int(act.sum())} "
                          "action tokens; pass the count of the whole (accumulated) batch")
 
 
@@ -700,102 +745,3 @@ def _refuse_grad(why: str, **tensors) -> None:
     for name, x in tensors.items():
         if isinstance(x, torch.Tensor) and x.requires_grad:
             raise ValueError(f"{name} requires grad, but {why}; pass {name}.detach()")
-
-
-def _validate_rewards_values(rewards, values, turn_ids, num_turns: int | None = None) -> int:
-    """Check (rewards, values, turn_ids) of the advantage functions; return K."""
-    K = _validate_tokens(turn_ids, num_turns, rewards=rewards, values=values)
-    if bool(((rewards != 0) & (turn_ids < 0)).any()):
-        raise ValueError("rewards must be 0 off action positions (turn_ids == -1); "
-                         "put a reward on the action token that earned it")
-    return K
-
-
-def _validate_logps(logp, old_logp, turn_ids) -> None:
-    _validate_tokens(turn_ids, logp=logp, old_logp=old_logp)
-
-
-def _check_adv_turn(adv_turn, turn_ids, K: int, name: str = "adv_turn") -> None:
-    """A per-turn tensor (B, >= K)."""
-    _check_tensor(name, adv_turn)
-    if adv_turn.shape[0] != turn_ids.shape[0] or adv_turn.shape[1] < K:
-        raise ValueError(f"{name} must have shape ({turn_ids.shape[0]}, >= {K}), "
-                         f"got {tuple(adv_turn.shape)}")
-
-
-def _validate_action_mask(rewards, values, action_mask) -> None:
-    turn_ids_from_mask(action_mask)                                            # checks the mask
-    _check_tensor("rewards", rewards, action_mask, ref_name="action_mask")
-    _check_tensor("values", values, action_mask, ref_name="action_mask")
-    act = action_mask.bool()
-    _check_float("rewards", rewards, act)
-    _check_float("values", values, act)
-    if bool(((rewards != 0) & ~act).any()):
-        raise ValueError("rewards must be 0 off action positions (action_mask == 0)")
-
-
-def _validate_tokens(turn_ids, num_turns: int | None = None, **tensors) -> int:
-    """The turn layout, a bound num_turns on its turn count, and each named (B, T) tensor: its
-    shape and device those of turn_ids, floating point, finite at action positions. Returns K."""
-    K = _check_turn_ids(turn_ids)
-    for name, x in tensors.items():
-        _check_tensor(name, x, turn_ids)
-        _check_float(name, x, turn_ids >= 0)
-    if num_turns is not None and num_turns < K:
-        raise ValueError(f"num_turns={num_turns} but turn_ids holds {K} turns")
-    return K
-
-
-def _validate_turn_gae(delta_turn, turn_mask, lam) -> float:
-    lam = _check_unit("lam", lam)
-    _check_tensor("delta_turn", delta_turn)
-    _check_tensor("turn_mask", turn_mask)
-    if turn_mask.shape != delta_turn.shape or turn_mask.device != delta_turn.device:
-        raise ValueError(f"turn_mask {tuple(turn_mask.shape)} on {turn_mask.device} does not "
-                         f"match delta_turn {tuple(delta_turn.shape)} on {delta_turn.device}")
-    _check_float("delta_turn", delta_turn, turn_mask.bool())
-    return lam
-
-
-def _check_beta(beta) -> float:
-    return _check_number("beta", beta, lambda v: 0.0 <= v < math.inf, "a finite number >= 0")
-
-
-def _validate_mae_projection(adv_turn, adv_intra, turn_ids, beta) -> float:
-    beta = _check_beta(beta)
-    _check_adv_turn(adv_turn, turn_ids, _validate_tokens(turn_ids, adv_intra=adv_intra))
-    return beta
-
-
-def _validate_mpo_advantages(rewards, values, turn_ids, lam, lam_intra, beta, num_turns):
-    """The checked (lam, lam_intra, beta) and num_turns (K when None)."""
-    lam, lam_intra = _check_unit("lam", lam), _check_unit("lam_intra", lam_intra)
-    beta = _check_beta(beta)
-    K = _validate_rewards_values(rewards, values, turn_ids, num_turns)
-    return lam, lam_intra, beta, K if num_turns is None else num_turns
-
-
-def _validate_grpo(scores, group_ids, turn_ids) -> None:
-    _check_turn_ids(turn_ids)
-    B = turn_ids.shape[0]
-    for name, x in (("scores", scores), ("group_ids", group_ids)):
-        _check_tensor(name, x, dims=1)
-        if x.shape[0] != B or x.device != turn_ids.device:
-            raise ValueError(f"{name} must have shape ({B},) on {turn_ids.device}, "
-                             f"got {tuple(x.shape)} on {x.device}")
-    if group_ids.is_floating_point():
-        raise TypeError(f"group_ids must be an integer tensor, got {group_ids.dtype}")
-    _check_float("scores", scores)
-
-
-def _validate_policy_loss(logp, old_logp, advantages, turn_ids, clip_eps, clip_eps_high,
-                          dual_clip, num_tokens, max_log_ratio) -> None:
-    _validate_tokens(turn_ids, logp=logp, old_logp=old_logp, advantages=advantages)
-    _check_positive("clip_eps", clip_eps)
-    if clip_eps_high is not None:
-        _check_positive("clip_eps_high", clip_eps_high)
-    if dual_clip is not None:
-        _check_number("dual_clip", dual_clip, lambda v: 1 < v < math.inf, "> 1 (or None)")
-    _check_positive("max_log_ratio", max_log_ratio, _CLAMP)
-    if num_tokens is not None:
-        _check_num_tokens(num_tokens, turn_ids >= 0)
