@@ -670,7 +670,8 @@ def map_table(records: list[dict], ref: str = "mpo", compact: bool = False) -> s
              "|---|---|" + "---|" * (len(critic) + len(cols))]
     for st, regime, L in rows:
         g = map_critic_cells(records, st, ref)
-        gates = ["–" if g[k] is None else f"{g[k]:.2f}" for k in ("ev_R_later", "between")]
+        gates = ["–" if g[k] is None else f"{g[k]:.2f}".replace("-0.00", "0.00")
+                 for k in ("ev_R_later", "between")]
         row = [names[regime], str(L), *([" / ".join(gates)] if compact else gates)]
         for v in cols:
             c = comps.get((st, v))
@@ -678,6 +679,7 @@ def map_table(records: list[dict], ref: str = "mpo", compact: bool = False) -> s
                 row.append("–")
                 continue
             mean = f"{100 * c['mean']:+.{0 if compact else 1}f}".replace("-", "−")
+            mean = "0" if mean in ("+0", "−0") else mean                 # no signed zero
             text = (f"{mean} {c['verdict']}" if compact else
                     f"{mean} ± {100 * c['se']:.1f} {c['verdict']} ({c['p_holm']:.3g})")
             row.append(f"**{text}**" if c["verdict"] != "tie" else text)

@@ -236,6 +236,105 @@ def trend_table(records: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+# The design's predictions (docs/testbed.md, v4, written before any run): the reference critic
+# reads the verdicts and nothing else; credit quality is the correlation of a turn's advantage
+# with its own verdict.
+PREDICTED = {"ev": (0.25, 0.38, 0.44), "grpo_quality": (0.71, 0.50, 0.35),
+             "gae_quality": (0.89, 0.78, 0.70), "ratio": (1.25, 1.56, 2.0)}
+VERDICT_SETTINGS = ("v4-K2", "v4-K4", "v4-K8")
+
+
+def predictions_table(records: list[dict]) -> str:
+    """Each prediction of the design beside what the records measured, K = 2 / 4 / 8 with
+    verdicts (and the no-verdict control where the prediction names it). Differences: paired by
+    seed, points, mean ± SE, with the Holm p of the page's family once all seeds are in."""
+    cells, comps = cells_of(records), paired(records)
+    by = {(c["setting"], c["row"], c["ref"]): c for c in comps}
+
+    def mean(setting, v, get):
+        xs = [x for x in map(get, cells.get((setting, v), [])) if x is not None]
+        return statistics.mean(xs) if xs else None
+
+    def per_k(v, get, digits=2):
+        xs = [mean(st, v, get) for st in VERDICT_SETTINGS]
+        return " / ".join("–" if x is None else f"{x:.{digits}f}".replace("-0.00", "0.00")
+                          for x in xs)
+
+    def diff(setting, row, ref):
+        """row − ref from the page's comparisons (either sign of the pair)."""
+        c, sign = by.get((setting, row, ref)), 1
+        if c is None and (c := by.get((setting, ref, row))) is not None:
+            sign = -1
+        if c is None:
+            return "–"
+        text = f"{sig.signed(sign * c['mean'])} ± {100 * c['se']:.1f}"
+        return text + (f" ({c['n']} seeds)" if c["p"] is None
+                       else f" (Holm {sig.fmt_p(c['p_holm'])})")
+
+    def diffs(row, ref, settings=VERDICT_SETTINGS):
+        return "; ".join(diff(st, row, ref) for st in settings)
+
+    def equal_samples(setting, v):
+        """GRPO's 60th update minus v's at equal samples (its 30th), paired by seed."""
+        g = {r["seed"]: r["final"] for r in cells.get((setting, "grpo"), [])}
+        x = {r["seed"]: at_update(r, STEPS - r.get("warmup", 0))
+             for r in cells.get((setting, v), [])}
+        seeds = [s for s in SEEDS if s in g and x.get(s) is not None]
+        if len(seeds) < 2:
+            return "–"
+        t = sig.paired_t([g[s] for s in seeds], [x[s] for s in seeds])
+        return f"{sig.signed(t['mean'])} ± {100 * t['se']:.1f}"
+
+    def ev(r):
+        return r["critic"].get("ev_R")
+
+    def share(r):
+        return r["critic"].get("between_share_token_median")
+
+    def quality(r):
+        return r.get("credit_corr")
+
+    ratio = []
+    for v in ("mpo", "mpo_beta0"):
+        xs = [(mean(st, v, quality), mean(st, "grpo", quality)) for st in VERDICT_SETTINGS]
+        ratio.append(" / ".join("–" if None in x else f"{x[0] / x[1]:.2f}" for x in xs))
+    nofb = "v4-K4-nofb"
+    fmt = " / ".join
+    rows = [
+        ("1", "critic EV vs R, all action tokens (K = 2 / 4 / 8)",
+         f"{fmt(map(str, PREDICTED['ev']))} (the reference critic)",
+         f"A {per_k('mpo', ev)}; C {per_k('mpo_beta0', ev)}; SAO {per_k('sao', ev)}; "
+         f"PPO {per_k('ppo', ev)}"),
+        ("1", "between-turn share of the critic's values", ">= 0.8",
+         f"A {per_k('mpo', share)}; C {per_k('mpo_beta0', share)}; SAO {per_k('sao', share)}"),
+        ("1", "no verdicts (K = 4): critic EV vs R", "about 0",
+         "; ".join(f"{SHORT[v].split(':')[0]} {mean(nofb, v, ev):.2f}".replace("-0.00", "0.00")
+                   for v in ("mpo", "mpo_beta0", "sao", "ppo") if mean(nofb, v, ev) is not None)),
+        ("2", "credit quality (K = 2 / 4 / 8)",
+         f"GRPO {fmt(f'{x:.2f}' for x in PREDICTED['grpo_quality'])}; turn GAE with the "
+         f"reference critic {fmt(f'{x:.2f}' for x in PREDICTED['gae_quality'])}",
+         f"GRPO {per_k('grpo', quality)}; A {per_k('mpo', quality)}; "
+         f"C {per_k('mpo_beta0', quality)}"),
+        ("2", "credit quality, turn GAE / GRPO", f"{fmt(map(str, PREDICTED['ratio']))}",
+         f"A {ratio[0]}; C {ratio[1]}"),
+        ("3", "GRPO − A, final (K = 2; 4; 8)", "falls with K: > 0, smaller, at most a tie",
+         diffs("grpo", "mpo")),
+        ("3", "C − A, final (K = 2; 4; 8)", ">= 0", diffs("mpo_beta0", "mpo")),
+        ("3", "no verdicts (K = 4): GRPO − A; GRPO − C", "> 0 (MPO still loses)",
+         f"{diff(nofb, 'grpo', 'mpo')}; {diff(nofb, 'grpo', 'mpo_beta0')}"),
+        ("4", "A − PPO, final (K = 2; 4; 8)", "> 0", diffs("mpo", "ppo")),
+        ("4", "final success PPO / SAO / A (K = 2; 4; 8)", "SAO between PPO and A",
+         "; ".join(" / ".join(f"{100 * m:.1f}" if (m := mean(st, v, lambda r: r["final"]))
+                              is not None else "–" for v in ("ppo", "sao", "mpo"))
+                   for st in VERDICT_SETTINGS)),
+        ("5", "at equal samples, K = 2: GRPO (60th) − A; − C (30th)", "> 0",
+         f"{equal_samples('v4-K2', 'mpo')}; {equal_samples('v4-K2', 'mpo_beta0')}"),
+    ]
+    lines = ["| # | what | predicted (before any run) | measured |", "|---|---|---|---|"]
+    lines += [f"| {n} | {what} | {pred} | {got} |" for n, what, pred, got in rows]
+    return "\n".join(lines) + "\n"
+
+
 def provenance_line(records: list[dict]) -> str:
     dirty = sum(any(c["diff"] for c in r.get("code", [])) for r in records)
     commits = sorted({c["commit"] for r in records for c in r.get("code", [])})
@@ -295,6 +394,9 @@ def report(results: Path = RESULTS) -> str:
         "\n**Paired by seed, final success** (tested once both cells hold all "
         f"{len(SEEDS)} seeds, Holm over those comparisons; before that, mean ± SE only):\n",
         paired_table(comps),
+        "\n**The predictions against the results** (the design's five, written before any run; "
+        "paired differences in points, mean ± SE, Holm p of the table above):\n",
+        predictions_table(records),
         *(["\n**Added after seed 0** (not in the design; " + "; ".join(
             f"{a}: {d}" for a, (_, _, d) in ADDED.items()) + "):\n",
            added_table(records, added)] if added else [])])

@@ -103,6 +103,24 @@ def test_paired_comparisons_within_each_setting_with_holm_over_the_section(monke
     assert by[("v4-K8", "mpo", "grpo")]["mean"] == pytest.approx(0.2 / 3)   # 0, 0.1, 0.1
 
 
+def test_the_predictions_table_reads_the_records_and_turns_the_pair_it_has():
+    ppo = [dict(r, variant="ppo", final=r["final"] - 0.1 * (1 + r["seed"]))   # A − PPO .1 .2 .3
+           for r in records() if r["setting"] == "v4-K2" and r["variant"] == "mpo"]
+    table = v4.predictions_table(records() + ppo)
+    rows = {r[1]: r[3].rstrip(" |") for r in (line.split(" | ") for line in
+                                              table.splitlines()[2:])}
+    # credit quality per K (K4 has no records): GRPO 0.70 / – / 0.30; A 0.80 / – / 0.60
+    assert rows["credit quality (K = 2 / 4 / 8)"].startswith("GRPO 0.70 / – / 0.30; A 0.80 / – /")
+    assert rows["credit quality, turn GAE / GRPO"] == "A 1.14 / – / 2.00; C 1.21 / – / –"
+    # GRPO − A at K2: d = 0.3, 0.4, 0.3 (3 seeds of 10: no test yet); C − A: 0.1, 0.1, 0.0
+    assert rows["GRPO − A, final (K = 2; 4; 8)"].startswith("+33.3 ± 3.3 (3 seeds); –; ")
+    assert rows["C − A, final (K = 2; 4; 8)"].startswith("+6.7 ± 3.3 (3 seeds)")
+    # A − PPO: the page holds PPO − A; the table turns its sign
+    assert rows["A − PPO, final (K = 2; 4; 8)"] == "+20.0 ± 5.8 (3 seeds); –; –"
+    # equal samples: GRPO's final minus A's 30th update (f / 2): 0.55, 0.6, 0.6
+    assert rows["at equal samples, K = 2: GRPO (60th) − A; − C (30th)"].startswith("+58.3 ± 1.7")
+
+
 def test_report_writes_tables_and_page_sections(tmp_path, monkeypatch):
     results = tmp_path / "docs" / "v4" / "results.json"
     launcher.write_results(results, {"command": "test"}, records())
