@@ -1,6 +1,6 @@
 """The committed pages hold exactly what the studies' reports generate from the committed raw
 files (issues 52, 53): docs/testbed.md's why-tables and v4-tables sections, docs/results.md's
-why-summary and v4-summary, and the why study's full tables in docs/records/testbed/. A raw
+why-summary and v4-summary, and the why and v4 studies' full tables in docs/records/testbed/. A raw
 file, a report or a page edited alone fails here. The reports are run with their writes
 captured, so nothing in the checkout changes."""
 import re
@@ -23,6 +23,7 @@ def captured(monkeypatch, tmp_path) -> dict:
                         lambda page, name, text: written.setdefault((Path(page), name), text))
     monkeypatch.setattr(why, "curves", lambda records, path: path)
     monkeypatch.setattr(why, "RECORD_TABLES", tmp_path / "why-tables.md")
+    monkeypatch.setattr(v4, "RECORD_TABLES", tmp_path / "v4-tables.md")
     return written
 
 
@@ -47,3 +48,5 @@ def test_the_v4_study_pages_are_its_report(monkeypatch, tmp_path, capsys):
                             (v4.SUMMARY_PAGE, v4.SUMMARY_SECTION)}
     for (page, name), text in written.items():
         assert section(page, name) == text, f"{page.name}: {name} is stale"
+    committed = launcher.ROOT / "docs" / "records" / "testbed" / "v4-tables.md"
+    assert committed.read_text() == (tmp_path / "v4-tables.md").read_text()

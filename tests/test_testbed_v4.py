@@ -141,7 +141,10 @@ def test_report_writes_tables_and_page_sections(tmp_path, monkeypatch):
     assert "| v4-K2 | 3 | +33.3 ± 3.3 | +16.7 ± 1.7 | +26.7 ± 3.3 | 0.80 / 0.85 / 0.70 |" in body
     assert "| v4-K8 | 3 | −6.7 ± 3.3 | −3.3 ± 1.7 | – | 0.60 / – / 0.30 |" in body
     assert "15 of 72 planned runs (v4-K2: 9, v4-K4: 0, v4-K8: 6, v4-K4-nofb: 0)" in body
-    assert page.read_text() == "a\n<!-- v4-tables:start -->\n" + body + "<!-- v4-tables:end -->\nb\n"
+    section = page.read_text().split("<!-- v4-tables:start -->\n")[1].split("<!-- v4-tables:end")[0]
+    assert section.startswith(body.split("\n")[0]) and "| v4-K2 | A: MPO | 3 |" not in section
+    assert "(records/testbed/v4-tables.md)" in section           # the cells: in the record
+    assert body.split("**The K-trend**")[1] == section.split("**The K-trend**")[1]
     assert "| v4-K8 | 3 | −6.7 ± 3.3 |" in summary.read_text()
     assert not (results.parent / "table.md").exists()       # the page is the table (issue 52)
 
