@@ -694,9 +694,15 @@ def map_table(records: list[dict], ref: str = "mpo", compact: bool = False) -> s
     wins = sum(c["verdict"] == "win" for c in comps.values())
     losses = sum(c["verdict"] == "loss" for c in comps.values())
     if compact:
+        if len(sizes) > 1:
+            over = (f"Holm p < {ALPHA:g} within each study's family (v2, v3, streaming: "
+                    f"{sizes['']}; v4: {sizes['v4']})")
         lines += ["", f"Final success, MPO minus each baseline, points (10 seeds, paired); win / "
                   f"loss (bold): {over}, else tie. d: turns "
-                  "until the verdict on turn 0 shows. Critic: A's, its EV of the outcome on later "
+                  "until the verdict on turn 0 shows"
+                  + ("; K: decisive turns (v4: tuned rates, 30 critic-only updates first)"
+                     if len(sizes) > 1 else "")
+                  + ". Critic: A's, its EV of the outcome on later "
                   "turns / share of its variance between turns (paper: 0.895)."]
     else:
         lines += ["", "Final success, MPO (A) minus each baseline, percentage points (mean ± SE "

@@ -92,12 +92,117 @@ def test_smol_turn_confirmation_commits_of_seeds_0_and_1():
 
 def test_readme_counts_of_mpo_against_the_critic_based_token_methods():
     comps = [c for c in tb.map_comparisons(tb.map_records())
-             if c["variant"] in ("ppo", "vapo") and not c["setting"].startswith("stream")]
+             if c["variant"] in ("ppo", "vapo") and c["setting"].startswith(("v2", "v3"))]
     wins = [c for c in comps if c["verdict"] == "win"]
     ties = sorted(c for c in (round(100 * c["mean"]) for c in comps if c["verdict"] == "tie"))
     assert (len(wins), len(comps), ties) == (8, 10, [13, 30])
-    assert ("(8 wins in the 10 such comparisons outside streaming; PPO at v2 L = 8, +13, and at "
-            "v3 d = 1 L = 64, +30, are ties)") in page("README.md")
+    v4_ppo = {c["setting"]: c["verdict"] for c in tb.map_comparisons(tb.map_records())
+              if c["variant"] == "ppo" and c["setting"].startswith("v4")}
+    assert v4_ppo == {"v4-K2": "win", "v4-K4": "win", "v4-K8": "win", "v4-K4-nofb": "tie"}
+    assert ("(v2–v3: 8 wins in the 10 such comparisons outside streaming; PPO at v2 L = 8, +13, "
+            "and at v3 d = 1 L = 64, +30, are ties; v4: PPO at every K with verdicts)") \
+        in page("README.md")
+
+
+def test_v4_prose_numbers_come_from_its_raw_file():
+    """docs/testbed.md's "What v4 found", docs/results.md's v4 bullets and the README's: every
+    number recomputed from the committed v4 records and the page's paired tests."""
+    from experiments import testbed_v4 as v4
+    records = v4.load()
+    assert len(records) == 240
+    cells = v4.cells_of(records)
+    comps = {(c["setting"], c["row"], c["ref"]): c for c in v4.paired(records)}
+    K = ("v4-K2", "v4-K4", "v4-K8")
+
+    def c(st, row, ref):
+        if (st, row, ref) in comps:
+            return comps[(st, row, ref)], 1
+        return comps[(st, ref, row)], -1
+
+    def d(st, row, ref, se=False):
+        x, sign = c(st, row, ref)
+        return sig.signed(sign * x["mean"]) + (f" ± {100 * x['se']:.1f}" if se else "")
+
+    def p(st, row, ref, key="p"):
+        return sig.fmt_p(c(st, row, ref)[0][key])
+
+    def mean(st, v, get):
+        return statistics.mean(get(r) for r in cells[(st, v)])
+
+    def ev(r):
+        return r["critic"]["ev_R"]
+
+    def two(x):
+        return f"{x:.2f}".replace("-", "−")
+
+    def quality(r):
+        return r["credit_corr"]
+
+    def final(r):
+        return r["final"]
+    flat = max(mean(st, v, ev) for st in v4.SETTINGS for v in ("mpo", "mpo_token_is", "ppo"))
+    nofb = max(mean("v4-K4-nofb", v, ev) for v in v4.CRITIC_VARIANTS)
+    shares = [mean(st, "mpo_beta0", lambda r: r["critic"]["between_share_token_median"])
+              for st in K]
+    ratio = {v: [mean(st, v, quality) / mean(st, "grpo", quality) for st in K]
+             for v in ("mpo", "mpo_beta0")}
+    c_grpo = ", ".join(d(st, "mpo_beta0", "grpo", True) for st in K)
+    c_grpo_p = ", ".join(p(st, "mpo_beta0", "grpo") for st in K)
+    holm_ca = [c(st, "mpo_beta0", "mpo")[0]["p_holm"] for st in K]
+    a_ppo_holm = max(c(st, "mpo", "ppo")[0]["p_holm"] for st in K)
+    seeds = [s for s in v4.SEEDS]
+    eq = {}
+    for v in ("mpo", "mpo_beta0"):
+        g = {r["seed"]: r["final"] for r in cells[("v4-K2", "grpo")]}
+        x = {r["seed"]: v4.at_update(r, v4.STEPS - r["warmup"]) for r in cells[("v4-K2", v)]}
+        t = sig.paired_t([g[s] for s in seeds], [x[s] for s in seeds])
+        eq[v] = f"{100 * t['mean']:.1f} ± {100 * t['se']:.1f}"
+    testbed = page("docs/testbed.md")
+    for sentence in [
+        f"(K = 8: {two(mean('v4-K8', 'mpo_beta0', lambda r: r['critic']['ev_R_turn0']))} on "
+        f"turn 0, {two(mean('v4-K8', 'mpo_beta0', lambda r: r['critic']['ev_R_turn7']))} on "
+        f"turn 7) and {min(shares):.2f}–{max(shares):.2f} of its value variance",
+        f"no critic learned (EV {flat:.2f} at most, in every setting)",
+        f"no critic predicts (EV {nofb:.2f} at most)",
+        f"{min(ratio['mpo']):.2f}–{max(ratio['mpo']):.2f} times GRPO's at every K",
+        "C's ratio grows with K (" + ", ".join(f"{x:.2f}" for x in ratio["mpo_beta0"]) + ")",
+        "GRPO − A falls with K as predicted (" + ", ".join(d(st, "grpo", "mpo") for st in K)
+        + "), all ties",
+        "GRPO's success falls faster with K ("
+        + " → ".join(f"{100 * mean(st, 'grpo', final):.1f}" for st in (K[0], K[2]))
+        + ") than A's (" + " → ".join(f"{100 * mean(st, 'mpo', final):.1f}" for st in (K[0], K[2]))
+        + ")",
+        f"ties (GRPO − A {d('v4-K4-nofb', 'grpo', 'mpo', True)}, {d('v4-K2', 'grpo', 'mpo', True)})",
+        f"(C − GRPO {c_grpo}; p {c_grpo_p}; Holm "
+        + ", ".join(p(st, "mpo_beta0", "grpo", "p_holm") for st in K) + ")",
+        f"level without them ({d('v4-K4-nofb', 'mpo_beta0', 'grpo', True)})",
+        "C − A (" + ", ".join(d(st, "mpo_beta0", "mpo") for st in K)
+        + f"; Holm {sig.fmt_p(min(holm_ca))}–{sig.fmt_p(max(holm_ca))})",
+        "A beats PPO at every K with verdicts (" + ", ".join(d(st, "mpo", "ppo") for st in K)
+        + f"; Holm ≤ {sig.fmt_p(a_ppo_holm)}; without verdicts {d('v4-K4-nofb', 'mpo', 'ppo')}, "
+        f"Holm {p('v4-K4-nofb', 'mpo', 'ppo', 'p_holm')})",
+        f"ahead of A at K = 8 ({d('v4-K8', 'sao', 'mpo', True)}, Holm "
+        f"{p('v4-K8', 'sao', 'mpo', 'p_holm')}: the map's one v4 loss)",
+        f"A is {eq['mpo']} behind GRPO at K = 2, C {eq['mpo_beta0']}",
+    ]:
+        assert sentence in testbed, sentence
+    assert [c(st, "mpo_beta0", "grpo")[0]["p_holm"] >= sig.ALPHA for st in K] == [True] * 3
+    loss = [x for x in tb.map_comparisons(tb.map_records())
+            if x["setting"].startswith("v4") and x["verdict"] == "loss"]
+    assert [(x["setting"], x["variant"]) for x in loss] == [("v4-K8", "sao")]
+    results = page("docs/results.md")
+    for sentence in [f"(C − GRPO {c_grpo}; p {c_grpo_p}; none survives Holm) and level without "
+                     f"them ({d('v4-K4-nofb', 'mpo_beta0', 'grpo', True)})",
+                     "(GRPO − A " + ", ".join(d(st, "grpo", "mpo") for st in K) + ")",
+                     f"learned nothing (EV {flat:.2f} at most)",
+                     f"(Holm ≤ {sig.fmt_p(a_ppo_holm)})",
+                     f"at K = 8 ({d('v4-K8', 'sao', 'mpo', True)}, Holm "
+                     f"{p('v4-K8', 'sao', 'mpo', 'p_holm')})"]:
+        assert sentence in results, sentence
+    readme = page("README.md")
+    assert ("(" + ", ".join(d(st, "mpo_beta0", "grpo") for st in K) + f" at K = 2, 4, 8; p "
+            f"{c_grpo_p}; none survives Holm); level without verdicts "
+            f"({d('v4-K4-nofb', 'mpo_beta0', 'grpo')})") in readme
 
 
 def test_why_section_prose_numbers_come_from_its_raw_file():
