@@ -280,11 +280,9 @@ def predictions_table(records: list[dict]) -> str:
         g = {r["seed"]: r["final"] for r in cells.get((setting, "grpo"), [])}
         x = {r["seed"]: at_update(r, STEPS - r.get("warmup", 0))
              for r in cells.get((setting, v), [])}
-        seeds = [s for s in SEEDS if s in g and x.get(s) is not None]
-        if len(seeds) < 2:
-            return "–"
-        t = sig.paired_t([g[s] for s in seeds], [x[s] for s in seeds])
-        return f"{sig.signed(t['mean'])} ± {100 * t['se']:.1f}"
+        x = {s: v for s, v in x.items() if v is not None}
+        [t] = sig.paired_family({"grpo": g, v: x}, [("grpo", v)], SEEDS) or [None]
+        return "–" if t is None else f"{sig.signed(t['mean'])} ± {100 * t['se']:.1f}"
 
     def ev(r):
         return r["critic"].get("ev_R")
