@@ -15,9 +15,16 @@ import math
 
 import torch
 
-from mpo import (_TARGETS, _as_float, _check_coefficients, _check_num_tokens, _compute_dtype,
-                 _masked, _own_token_ratio, _refuse_grad, _td, _token_trace,
-                 _validate_action_mask, _validate_tokens, masked_whiten)
+from mpo import (_COEFFICIENTS, _IN_UNIT, _POSITIVE, _TARGETS, _as_float, _check_coefficients,
+                 _check_num_tokens, _compute_dtype, _masked, _own_token_ratio, _refuse_grad, _td,
+                 _token_trace, _validate_action_mask, _validate_tokens, masked_whiten)
+
+# This file's coefficients and their ranges, in the form of mpo._COEFFICIENTS.
+_RANGES = {"alpha": _POSITIVE, "critic_lam": _IN_UNIT,
+           "eps_low": (lambda v: 0.0 < v < 1.0, "a number in (0, 1), so that the band's lower "
+                       "edge 1 - eps_low is in (0, 1)"),
+           "eps_high": (_POSITIVE[0], "a finite number > 0"),
+           "max_log_ratio": _COEFFICIENTS["max_log_ratio"]}
 
 
 # --- VAPO ------------------------------------------------------------------------------------
@@ -33,7 +40,7 @@ def vapo_advantages(rewards: torch.Tensor, values: torch.Tensor, action_mask: to
     """
     _refuse_grad(_TARGETS.format("vapo_advantages"), rewards=rewards, values=values)
     if validate:
-        alpha, critic_lam = _check_coefficients(alpha=alpha, critic_lam=critic_lam)
+        alpha, critic_lam = _check_coefficients(_RANGES, alpha=alpha, critic_lam=critic_lam)
         _validate_action_mask(rewards, values, action_mask)
     act = action_mask.bool()
     delta = _td(rewards, values, act)                                         # (B, T) δ, γ = 1
@@ -46,8 +53,7 @@ def vapo_advantages(rewards: torch.Tensor, values: torch.Tensor, action_mask: to
         adv = masked_whiten(adv, act)
     return adv, returns
 
-# No official code: each choice below follows the public ports read for docs/baselines.md
-# (reef recipes/sao, unsloth PR 9309, twinkle PR 269, TorchTrade PR 261) and the paper's abstract.
+
 # --- SAO (Hou et al., 2026), a labelled reconstruction, not the authors' code ----------------
 # No official code: each choice below follows the public ports read for docs/baselines.md
 # (reef recipes/sao, unsloth PR 9309, twinkle PR 269, TorchTrade PR 261) and the paper's abstract.
@@ -68,7 +74,7 @@ def sao_advantages(rewards: torch.Tensor, values: torch.Tensor, action_mask: tor
 def _validate_sao_loss(logp, old_logp, advantages, turn_ids, eps_low, eps_high, num_tokens,
                        max_log_ratio) -> None:
     _validate_tokens(turn_ids, logp=logp, old_logp=old_logp, advantages=advantages)
-    _check_coefficients(eps_low=eps_low, eps_high=eps_high, max_log_ratio=max_log_ratio)
+    _check_coefficients(_RANGES, eps_low=eps_low, eps_high=eps_high, max_log_ratio=max_log_ratio)
     _check_num_tokens(num_tokens, turn_ids >= 0)
 
 

@@ -706,25 +706,23 @@ def _check_number(name: str, x, ok, what: str) -> float:
     return float(v)
 
 
-# Each coefficient's range, here and in baselines.py: (a test of its float, what it must be).
+# Each coefficient's range: (a test of its float, what it must be). baselines.py has its own.
 _IN_UNIT = (lambda v: 0.0 <= v <= 1.0, "a number in [0, 1]")
 _POSITIVE = (lambda v: 0.0 < v < math.inf, "> 0")
 _COEFFICIENTS = {"lam": _IN_UNIT, "lam_intra": _IN_UNIT, "gamma": _IN_UNIT,
                  "beta": (lambda v: 0.0 <= v < math.inf, "a finite number >= 0"),
                  "clip_eps": _POSITIVE, "clip_eps_high": _POSITIVE,
                  "max_log_ratio": (_POSITIVE[0], _CLAMP), "clip": (_POSITIVE[0], "> 0 or None"),
-                 "dual_clip": (lambda v: 1.0 < v < math.inf, "> 1 (or None)"),
-                 "alpha": _POSITIVE, "critic_lam": _IN_UNIT,                 # baselines.py's
-                 "eps_low": (lambda v: 0.0 < v < 1.0, "a number in (0, 1), so that the band's "
-                             "lower edge 1 - eps_low is in (0, 1)"),
-                 "eps_high": (_POSITIVE[0], "a finite number > 0")}
+                 "dual_clip": (lambda v: 1.0 < v < math.inf, "> 1 (or None)")}
 _OPTIONAL = ("clip_eps_high", "dual_clip", "clip")              # None: the feature is off
 
 
-def _check_coefficients(**coefficients) -> list:
-    """The named scalar coefficients, in order, as floats in their `_COEFFICIENTS` ranges."""
+def _check_coefficients(table=None, /, **coefficients) -> list:
+    """The named scalar coefficients, in order, as floats in their ranges (table: a dict like
+    `_COEFFICIENTS`, which is the default)."""
+    table = _COEFFICIENTS if table is None else table
     return [None if x is None and name in _OPTIONAL
-            else _check_number(name, x, *_COEFFICIENTS[name]) for name, x in coefficients.items()]
+            else _check_number(name, x, *table[name]) for name, x in coefficients.items()]
 
 
 def _check_num_tokens(num_tokens, act: torch.Tensor) -> None:

@@ -50,12 +50,14 @@ def holm(pvalues: list[float]) -> list[float]:
 
 
 def paired_family(values: dict, pairs: list, seeds: list | None = None, *,
-                  complete_only: bool = False, holm_p: bool = True) -> list[dict]:
+                  complete_only: bool = False, holm_p: bool = True,
+                  label=None) -> list[dict]:
     """One family of paired comparisons: for each (row, ref) in `pairs`, `paired_t` of row − ref
     over the seeds both hold (values[key] = {seed: number}; in the order of `seeds`, default the
     row's), left out below 2 seeds; then Holm over the family (the comparisons with a p).
     complete_only: a comparison on fewer than all of `seeds` keeps its mean ± SE with p None,
-    outside the family (a study not yet complete); holm_p=False: no Holm (the caller's family).
+    outside the family (a study not yet complete); holm_p=False: no Holm (the caller's family);
+    label(row, ref) -> a dict of the caller's names for the pair, in place of "row" and "ref".
     Returns [{"row", "ref", "n", "mean", "se", "t", "p", "p_holm"}] in the order of `pairs`.
 
     Example: paired_family({"a": {0: .5, 1: .7, 2: .6}, "b": {0: .4, 1: .4, 2: .4}},
@@ -70,7 +72,7 @@ def paired_family(values: dict, pairs: list, seeds: list | None = None, *,
         t = paired_t([x[s] for s in common], [y[s] for s in common])
         if complete_only and len(common) < len(seeds):
             t["p"] = None
-        comps.append({"row": row, "ref": ref, **t})
+        comps.append({**({"row": row, "ref": ref} if label is None else label(row, ref)), **t})
     tested = [c for c in comps if c["p"] is not None]
     for c, p in zip(tested, holm([c["p"] for c in tested]) if holm_p else ()):
         c["p_holm"] = p

@@ -416,9 +416,8 @@ def comparisons(records: list[dict], ref: str = "mpo", metric: str = "final",
     cells = cells_of(records)
     values = {key: {r["seed"]: r[metric] for r in rs} for key, rs in cells.items()}
     pairs = [(key, (key[0], ref)) for key in cells if key[1] != ref]
-    return [{"setting": c["row"][0], "variant": c["row"][1],
-             **{k: x for k, x in c.items() if k not in ("row", "ref")}}
-            for c in paired_family(values, pairs, holm_p=holm_p)]
+    return paired_family(values, pairs, holm_p=holm_p,
+                         label=lambda row, ref: {"setting": row[0], "variant": row[1]})
 
 
 def v2_cell_table(records: list[dict]) -> str:

@@ -186,9 +186,8 @@ def paired(records: list[dict], metric: str = "final") -> list[dict]:
     values = {key: {r["seed"]: r[metric] for r in rs} for key, rs in cells.items()}
     pairs = [((setting, v), (setting, ref)) for setting in SETTINGS for ref in ("mpo", "grpo")
              for v in VARIANTS if v != ref and (setting, v) in cells and (setting, ref) in cells]
-    return [{"setting": c["row"][0], "row": c["row"][1], "ref": c["ref"][1],
-             **{k: x for k, x in c.items() if k not in ("row", "ref")}}
-            for c in sig.paired_family(values, pairs, SEEDS, complete_only=True)]
+    return sig.paired_family(values, pairs, SEEDS, complete_only=True, label=lambda row, ref: {
+        "setting": row[0], "row": row[1], "ref": ref[1]})
 
 
 def paired_table(comps: list[dict]) -> str:
@@ -220,15 +219,11 @@ def trend_table(records: list[dict]) -> str:
     for setting in SETTINGS:
         out, n = [], 0
         for ref, metric in (("mpo", "final"), ("mpo", "auc"), ("mpo_beta0", "final")):
-            a = {r["seed"]: r[metric] for r in cells.get((setting, "grpo"), [])}
-            b = {r["seed"]: r[metric] for r in cells.get((setting, ref), [])}
-            seeds = sorted(set(a) & set(b))
-            if len(seeds) < 2:
-                out.append("–")
-                continue
-            n = max(n, len(seeds))
-            t = sig.paired_t([a[s] for s in seeds], [b[s] for s in seeds])
-            out.append(f"{sig.signed(t['mean'])} ± {100 * t['se']:.1f}")
+            values = {v: {r["seed"]: r[metric] for r in cells.get((setting, v), [])}
+                      for v in ("grpo", ref)}
+            [t] = sig.paired_family(values, [("grpo", ref)], SEEDS, holm_p=False) or [None]
+            n = max(n, t["n"] if t else 0)
+            out.append("–" if t is None else f"{sig.signed(t['mean'])} ± {100 * t['se']:.1f}")
         quality = " / ".join(sig.mean_se([r.get("credit_corr") for r in cells.get((setting, v),
                                                                                    [])], 1.0, 2)
                              .split(" ±")[0] for v in ("mpo", "mpo_beta0", "grpo"))
@@ -355,9 +350,8 @@ def added_table(records: list[dict], added: list[dict]) -> str:
                for arm in ADDED for setting in SETTINGS}
     pairs = [((arm, setting), (setting, ref)) for arm in ADDED for setting in SETTINGS
              for ref in ("mpo", "mpo_beta0")]
-    comps = [{"arm": c["row"][0], "setting": c["row"][1], "ref": c["ref"][1],
-              **{k: x for k, x in c.items() if k not in ("row", "ref")}}
-             for c in sig.paired_family(values, pairs, SEEDS, complete_only=True)]
+    comps = sig.paired_family(values, pairs, SEEDS, complete_only=True, label=lambda row, ref: {
+        "arm": row[0], "setting": row[1], "ref": ref[1]})
     by = {(c["arm"], c["setting"], c["ref"]): c for c in comps}
     lines = ["| arm | setting | seeds | final success | critic EV vs R, turn 0 / 1 / … | "
              "within-turn share | − A: Δ final (p → Holm p) | − C: Δ final (p → Holm p) |",

@@ -188,19 +188,25 @@ def mpo_advantages(rewards, values, turn_ids, lam=0.8, lam_intra=0.95, beta=1.0,
 
 
 # --- baselines --------------------------------------------------------------------------------------
+def _action_deltas(rewards, values, action_mask, gamma=1.0):
+    """Each row's action positions and their δ_j = r_j + γ V_{j+1} − V_j over consecutive action
+    tokens (observations skipped; V past the row's last action token is 0)."""
+    r, v = _rows(rewards), _rows(values)
+    m = [[bool(x) for x in row] for row in action_mask.tolist()]
+    rows = []
+    for b in range(len(m)):
+        pos = [p for p in range(len(m[b])) if m[b][p]]
+        rows.append((pos, [r[b][p] + gamma * (v[b][pos[j + 1]] if j + 1 < len(pos) else 0.0)
+                           - v[b][p] for j, p in enumerate(pos)]))
+    return v, m, rows
+
+
 def token_gae(rewards, values, action_mask, lam=0.95, gamma=1.0, whiten_=True):
     """PPO GAE over the action tokens of each row only (observations skipped):
     δ_j = r_j + γ V_{j+1} − V_j over consecutive action tokens, A_j = Σ_k (γλ)^k δ_{j+k}."""
-    r, v = _rows(rewards), _rows(values)
-    m = [[bool(x) for x in row] for row in action_mask.tolist()]
-    B, T = len(m), len(m[0])
-    adv, ret = _zeros(B, T), _zeros(B, T)
-    for b in range(B):
-        pos = [p for p in range(T) if m[b][p]]
-        deltas = []
-        for j, p in enumerate(pos):
-            v_next = v[b][pos[j + 1]] if j + 1 < len(pos) else 0.0
-            deltas.append(r[b][p] + gamma * v_next - v[b][p])
+    v, m, rows = _action_deltas(rewards, values, action_mask, gamma)
+    adv, ret = _zeros(len(m), len(m[0])), _zeros(len(m), len(m[0]))
+    for b, (pos, deltas) in enumerate(rows):
         for j, p in enumerate(pos):
             s = 0.0
             for c in range(j, len(pos)):
@@ -208,24 +214,18 @@ def token_gae(rewards, values, action_mask, lam=0.95, gamma=1.0, whiten_=True):
             adv[b][p] = s
             ret[b][p] = v[b][p] + s
     adv_t = _t(adv)
-    mask = torch.tensor(m)
     if whiten_:
-        adv_t = whiten(adv_t, mask)
+        adv_t = whiten(adv_t, torch.tensor(m))
     return adv_t, _t(ret)
 
 
 def vapo_advantages(rewards, values, action_mask, alpha=0.05, critic_lam=1.0, whiten_=True):
     """VAPO: per row λ_b = min(1, max(0, 1 − 1/(α l_b))), l_b = the row's action tokens;
     A_j = Σ_k λ_b^k δ_{j+k}, returns_j = V_j + Σ_k critic_lam^k δ_{j+k} (γ = 1, observations skipped)."""
-    r, v = _rows(rewards), _rows(values)
-    m = [[bool(x) for x in row] for row in action_mask.tolist()]
-    B, T = len(m), len(m[0])
-    adv, ret = _zeros(B, T), _zeros(B, T)
-    for b in range(B):
-        pos = [p for p in range(T) if m[b][p]]
+    v, m, rows = _action_deltas(rewards, values, action_mask)
+    adv, ret = _zeros(len(m), len(m[0])), _zeros(len(m), len(m[0]))
+    for b, (pos, deltas) in enumerate(rows):
         lam = min(1.0, max(0.0, 1.0 - 1.0 / (alpha * len(pos)))) if pos else 0.0
-        deltas = [r[b][p] + (v[b][pos[j + 1]] if j + 1 < len(pos) else 0.0) - v[b][p]
-                  for j, p in enumerate(pos)]
         for j, p in enumerate(pos):
             adv[b][p] = sum(lam ** (c - j) * deltas[c] for c in range(j, len(pos)))
             ret[b][p] = v[b][p] + sum(critic_lam ** (c - j) * deltas[c] for c in range(j, len(pos)))
