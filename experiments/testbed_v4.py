@@ -339,9 +339,9 @@ def provenance_line(records: list[dict]) -> str:
             f", {dirty} with a saved diff (docs/testbed/v4/diffs/); CPU: {'; '.join(cpus)}.")
 
 
-def added_table(records: list[dict], added: list[dict]) -> str:
-    """Each added arm per setting: final success, its critic, the within-turn share of its
-    advantages, and its paired differences from the planned A and C (Holm over this table)."""
+def added_paired(records: list[dict], added: list[dict]) -> list[dict]:
+    """Each added arm minus the planned A and C per setting, paired by seed, Holm over these
+    comparisons (the added table's family); tested once all study seeds are in."""
     cells = cells_of(records)
     values = {(setting, ref): {r["seed"]: r["final"] for r in rs}
               for (setting, ref), rs in cells.items()}
@@ -350,9 +350,14 @@ def added_table(records: list[dict], added: list[dict]) -> str:
                for arm in ADDED for setting in SETTINGS}
     pairs = [((arm, setting), (setting, ref)) for arm in ADDED for setting in SETTINGS
              for ref in ("mpo", "mpo_beta0")]
-    comps = sig.paired_family(values, pairs, SEEDS, complete_only=True, label=lambda row, ref: {
+    return sig.paired_family(values, pairs, SEEDS, complete_only=True, label=lambda row, ref: {
         "arm": row[0], "setting": row[1], "ref": ref[1]})
-    by = {(c["arm"], c["setting"], c["ref"]): c for c in comps}
+
+
+def added_table(records: list[dict], added: list[dict]) -> str:
+    """Each added arm per setting: final success, its critic, the within-turn share of its
+    advantages, and its paired differences from the planned A and C (`added_paired`)."""
+    by = {(c["arm"], c["setting"], c["ref"]): c for c in added_paired(records, added)}
     lines = ["| arm | setting | seeds | final success | critic EV vs R, turn 0 / 1 / … | "
              "within-turn share | − A: Δ final (p → Holm p) | − C: Δ final (p → Holm p) |",
              "|---|---|---|---|---|---|---|---|"]

@@ -205,6 +205,64 @@ def test_v4_prose_numbers_come_from_its_raw_file():
             f"({d('v4-K4-nofb', 'mpo_beta0', 'grpo')})") in readme
 
 
+def test_v4_added_arm_prose_numbers_come_from_its_raw_file():
+    """docs/testbed.md's bullet on the added arm (A at C's rates), docs/results.md's sentence and
+    the README's: every number recomputed from the committed records, its tests from the arm's
+    own Holm family (`testbed_v4.added_paired`)."""
+    from experiments import testbed_v4 as v4
+    records, added = v4.load(), v4.load(added=True)
+    assert len(added) == 40 and {r["seed"] for r in added} == set(v4.SEEDS)
+    cells = v4.cells_of(records)
+    K = ("v4-K2", "v4-K4", "v4-K8")
+    arm = {st: [r for r in added if r["setting"] == st] for st in v4.SETTINGS}
+    comps = {(c["setting"], c["ref"]): c for c in v4.added_paired(records, added)}
+
+    def mean(rs, get, fmt="{:.2f}"):
+        return fmt.format(statistics.mean(get(r) for r in rs)).replace("-", "−")
+
+    def each(get, rss):
+        return ", ".join(mean(rs, get) for rs in rss)
+
+    def ev(r):
+        return r["critic"]["ev_R"]
+
+    def quality(r):
+        return r["credit_corr"]
+
+    C = [cells[(st, "mpo_beta0")] for st in K]
+    A3 = [arm[st] for st in K]
+    vs_c = [comps[(st, "mpo_beta0")] for st in K]
+    vs_a = [comps[(st, "mpo")] for st in K]
+    quality_a3, quality_c = each(quality, A3), each(quality, C)
+    assert quality_a3 == quality_c                              # "its credit quality is C's"
+    share = statistics.mean(r["within_turn_share"] for st in K for r in arm[st])
+    testbed = page("docs/testbed.md")
+    for sentence in [
+        f"(EV {each(ev, A3)} at K = 2, 4, 8, C's {each(ev, C)}; rising with the turn, K = 8: "
+        f"{mean(arm['v4-K8'], lambda r: r['critic']['ev_R_turn0'])} on turn 0, "
+        f"{mean(arm['v4-K8'], lambda r: r['critic']['ev_R_turn7'])} on turn 7)",
+        f"its credit quality is C's ({quality_c} both)",
+        "Yet it trails C by " + ", ".join(f"{-100 * c['mean']:.1f} ± {100 * c['se']:.1f}"
+                                          for c in vs_c)
+        + " (Holm over its table " + ", ".join(sig.fmt_p(c["p_holm"]) for c in vs_c) + ")",
+        "(" + ", ".join(sig.signed(c["mean"]) for c in vs_a) + "; Holm ≥ "
+        + sig.fmt_p(min(c["p_holm"] for c in vs_a)) + ")",
+        f"carries {100 * share:.0f} % of the advantages' variance (within-turn share "
+        f"{share:.2f})",
+        f"not at K = 8 ({-100 * vs_c[2]['mean']:.1f}, not significant)",
+        f"above A(1e-2) at K = 8 in the mean only ({sig.signed(vs_a[2]['mean'])} ± "
+        f"{100 * vs_a[2]['se']:.1f})",
+    ]:
+        assert sentence in testbed, sentence
+    assert [c["p_holm"] < sig.ALPHA for c in vs_c] == [True, True, False]
+    assert all(c["p_holm"] >= sig.ALPHA for c in vs_a)
+    assert ("trails C (" + ", ".join(sig.signed(c["mean"]) for c in vs_c) + "; Holm "
+            + ", ".join(sig.fmt_p(c["p_holm"]) for c in vs_c) + " over the arm's table)"
+            ) in page("docs/results.md")
+    assert ("at β = 0's critic rate it still trails β = 0 by "
+            + ", ".join(f"{-100 * c['mean']:.0f}" for c in vs_c) + " points") in page("README.md")
+
+
 def test_why_section_prose_numbers_come_from_its_raw_file():
     """docs/testbed.md's "Predictions against the results" and attribution for the mechanism
     arms (experiments/testbed_why.py): every paired number recomputed from the committed records."""
