@@ -30,6 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))    # run from anywhere
 from experiments import testbed  # noqa: E402
+from experiments.significance import table_head  # noqa: E402
 from experiments.launcher import LABELS, mean_std, plot_curves, run_jobs, split_argv  # noqa: E402
 
 GRIDS = {
@@ -112,7 +113,7 @@ def compare_table(runs: list[dict]) -> str:
     head = ["setting", "seeds", "steps", *(["val pass@1 at step 0"] if with_start else []),
             *[f"val pass@{k}" for k in ks], *(["gain (pass@1)"] if with_start else []),
             "best val pass@1", "train reward (last)", "wall time"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines = table_head(head)
     for name, rs in groups.items():
         cells = [name, str(len(rs)), "/".join(sorted({str(r["rows"][-1]["step"]) for r in rs}))]
         if with_start:

@@ -79,6 +79,11 @@ def paired_family(values: dict, pairs: list, seeds: list | None = None, *,
     return comps
 
 
+def table_head(head: list) -> list[str]:
+    """A markdown table's first two lines for the column names `head`."""
+    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+
+
 def mean_se(xs: list, scale: float = 100.0, digits: int = 1) -> str:
     """'mean ± standard error' of the values that are not None, scaled (percent by default).
 

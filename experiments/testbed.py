@@ -57,7 +57,7 @@ from experiments.launcher import (COLORS, LABELS, MARKER, ROOT, check_record,  #
                                   merge_records, order_key, plot_curves, run_jobs, split_argv,
                                   update_page, write_results)
 from experiments.significance import (ALPHA, diff_cell, fmt_p, holm, mean_se,  # noqa: E402
-                                      paired_family)
+                                      paired_family, table_head)
 
 TESTBED_VARIANTS = ("mpo", "mpo_token_is", "mpo_beta0", "ppo", "grpo")
 STREAM_VARIANTS = ("mpo", "ppo", "grpo")
@@ -141,7 +141,7 @@ def testbed_table(results: list[dict], threshold: float) -> str:
     head = ["setting", "variant", "seeds", "final success", "mean success (AUC)",
             f"updates to {threshold:g}", "critic between-share", "critic boundary share",
             "min / run"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines = table_head(head)
     for (setting, variant), rs in groups_of(results).items():
         reach = [updates_to(r["curve"], threshold) for r in rs]
         hit = [u for u in reach if u is not None]
@@ -423,7 +423,7 @@ def comparisons(records: list[dict], ref: str = "mpo", metric: str = "final",
 def v2_cell_table(records: list[dict]) -> str:
     head = ["setting", "variant", "seeds", "final success", "mean success (AUC)",
             "first-update train reward", "min / run"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines = table_head(head)
     for (setting, variant), rs in cells_of(records).items():
         wall = [r["wall_s"] for r in rs if r.get("wall_s")]
         lines.append("| " + " | ".join([
@@ -451,7 +451,7 @@ def v2_gates_table(records: list[dict]) -> str:
             "between-turn share of V (paper 0.895)", "boundary share of ΔV² (paper 0.092)",
             "turn clip frac", "turn log-ratio std", "within-turn share of adv. variance",
             "tokens / turn"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines = table_head(head)
     for (setting, variant), rs in cells_of(records).items():
         lines.append("| " + " | ".join([
             setting, LABELS.get(variant, variant),

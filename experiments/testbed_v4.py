@@ -163,7 +163,7 @@ def cell_table(records: list[dict]) -> str:
     head = ["setting", "variant", "seeds", "final success", "AUC", "at equal samples",
             "credit quality", "critic EV vs R, turn 0 / 1 / …", "EV vs R, all turns",
             "between-turn share"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines = sig.table_head(head)
     for (setting, v), rs in cells_of(records).items():
         K = SETTINGS[setting][0]
         equal = [at_update(r, STEPS - r.get("warmup", 0)) for r in rs]   # same rollouts

@@ -201,7 +201,7 @@ def arm_table(records: list[dict]) -> str:
     head = ["arm", "variant", "seeds", "final success", "AUC", "updates to 50 % (reached)",
             "critic EV vs R: turn 0 / 1 / 2", "between-turn share", "boundary share",
             "EV at warm-up end"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines = sig.table_head(head)
     for (arm, v), rs in rows_of(records).items():
         reach = [u for u in map(updates_to_half, rs) if u is not None]
         ev = " / ".join(sig.mean_se([r["critic"].get(f"ev_R_turn{k}") for r in rs], 1.0, 2)
@@ -233,7 +233,7 @@ def paired_table(comps: list[dict], metric: str) -> str:
     rows = list(dict.fromkeys(c["row"] for c in comps))
     by = {(c["row"], c["ref"]): c for c in comps}
     head = ["arm", "variant"] + [f"− {row_label(*ref)}: Δ {metric} (p → Holm p)" for ref in refs]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines = sig.table_head(head)
     for row in rows:
         cells = [sig.diff_cell(by.get((row, ref))) for ref in refs]
         lines.append("| " + " | ".join([row[0], SHORT.get(row[1], row[1]), *cells]) + " |")

@@ -27,15 +27,22 @@ def captured(monkeypatch, tmp_path) -> dict:
     return written
 
 
+def assert_written_is_committed(written: dict, sections: set, record: Path) -> None:
+    """The report wrote exactly `sections`, each as the page holds it, and its full tables
+    (written to tmp_path) as docs/records/testbed/ holds them."""
+    assert set(written) == sections
+    for (page, name), text in written.items():
+        assert section(page, name) == text, f"{page.name}: {name} is stale"
+    committed = launcher.ROOT / "docs" / "records" / "testbed" / record.name
+    assert committed.read_text() == record.read_text()
+
+
 def test_the_why_study_pages_are_its_report(monkeypatch, tmp_path, capsys):
     written = captured(monkeypatch, tmp_path)
     why.report()
-    assert set(written) == {(testbed.TESTBED_PAGE, why.PAGE_SECTION),
-                            (why.SUMMARY_PAGE, why.SUMMARY_SECTION)}
-    for (page, name), text in written.items():
-        assert section(page, name) == text, f"{page.name}: {name} is stale"
-    committed = launcher.ROOT / "docs" / "records" / "testbed" / "why-tables.md"
-    assert committed.read_text() == (tmp_path / "why-tables.md").read_text()
+    assert_written_is_committed(written, {(testbed.TESTBED_PAGE, why.PAGE_SECTION),
+                                          (why.SUMMARY_PAGE, why.SUMMARY_SECTION)},
+                                tmp_path / "why-tables.md")
 
 
 def test_the_v4_study_pages_are_its_report(monkeypatch, tmp_path, capsys):
@@ -44,9 +51,6 @@ def test_the_v4_study_pages_are_its_report(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(testbed, "write_map", lambda: maps.append(1))   # checked in test_grid
     v4.report()
     assert maps == [1]                 # the committed v4 records rewrite the map (it reads them)
-    assert set(written) == {(testbed.TESTBED_PAGE, v4.PAGE_SECTION),
-                            (v4.SUMMARY_PAGE, v4.SUMMARY_SECTION)}
-    for (page, name), text in written.items():
-        assert section(page, name) == text, f"{page.name}: {name} is stale"
-    committed = launcher.ROOT / "docs" / "records" / "testbed" / "v4-tables.md"
-    assert committed.read_text() == (tmp_path / "v4-tables.md").read_text()
+    assert_written_is_committed(written, {(testbed.TESTBED_PAGE, v4.PAGE_SECTION),
+                                          (v4.SUMMARY_PAGE, v4.SUMMARY_SECTION)},
+                                tmp_path / "v4-tables.md")
