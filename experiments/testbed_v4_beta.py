@@ -1,0 +1,222 @@
+"""Testbed v4's β probe: where β = 1's centred correction puts credit, read on final checkpoints
+(no training). Design, prediction and tables: docs/records/testbed/v4-beta-probe.md (the design
+written before the probe's first run).
+
+    python experiments/testbed_v4_beta.py run --runs DIR [DIR ...]   # v4 run folders' parents
+    python experiments/testbed_v4_beta.py report                     # the page's tables
+
+For each checkpoint: 16 training tasks x 8 rollouts at the training temperature (probe seed 0),
+values from its own critic, `mpo.mpo_advantages` at β = 1 and β = 0 on the same values
+(unwhitened); c = A(β = 1) − A(β = 0) = A^intra − its turn mean. Each turn's decisive token is
+its first key word. `measures` turns one batch into the page's five numbers.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import mpo  # noqa: E402
+from experiments import launcher, significance as sig  # noqa: E402
+
+ROOT = launcher.ROOT
+RESULTS = ROOT / "docs" / "testbed" / "v4" / "beta_probe.json"
+PAGE = ROOT / "docs" / "records" / "testbed" / "v4-beta-probe.md"
+SECTION = "beta-probe"
+SETTINGS = ("v4-K4", "v4-K8")
+WHICH = {"a_at_c_rates": "A at C's rates (β = 1)", "mpo_beta0": "C (β = 0)"}
+TASKS, ROLLOUTS, PROBE_SEED = 16, 8, 0
+MEASURES = {
+    "merit": "1 merit: corr(c at key, verdict)",
+    "mass_key": "2 share of Σc² on key tokens",
+    "mass_before": "2 … before the key",
+    "mass_after": "2 … after the key",
+    "after_vs_verdict": "3 corr(mean c after the key, verdict)",
+    "key_credit_beta1": "4 corr(key token's A, verdict), β = 1",
+    "key_credit_beta0": "4 … β = 0",
+    "position": "5 corr(c, i / L)",
+    "key_place": "(added, descriptive) the key's place i / L",
+}
+
+
+def corr(x: list[float], y: list[float]) -> float | None:
+    """Pearson's r, None where either side is constant or there are fewer than 3 pairs."""
+    if len(x) < 3 or len(set(x)) < 2 or len(set(y)) < 2:
+        return None
+    return statistics.correlation(x, y)
+
+
+def measures(adv1: torch.Tensor, adv0: torch.Tensor, turn_ids: torch.Tensor,
+             key_pos: dict[tuple[int, int], int], verdicts: dict[tuple[int, int], int]) -> dict:
+    """The design's five numbers for one batch.
+
+    adv1, adv0: (B, T) advantages at β = 1 and β = 0 from the same values; turn_ids (B, T);
+    key_pos[(b, k)]: the position of turn k's decisive token in row b (turns without one are
+    absent); verdicts[(b, k)]: 1 if turn k of row b was right, else 0.
+
+    Example: one row, turn 0 = positions 0-3 with the key at 1 and verdict 1, turn 1 = 4-7 with
+    the key at 6 and verdict 0, ... (tests/test_testbed_v4_beta.py works one by hand).
+    """
+    c = (adv1 - adv0).double()
+    merit, verdict, after, after_v, k1, k0 = [], [], [], [], [], []
+    mass = {"key": 0.0, "before": 0.0, "after": 0.0}
+    pos_c, pos_x, place = [], [], []
+    for b in range(turn_ids.shape[0]):
+        row = turn_ids[b].tolist()
+        for k in range(max(row) + 1 if max(row) >= 0 else 0):
+            where = [p for p, t in enumerate(row) if t == k]
+            L = len(where)
+            for i, p in enumerate(where):
+                pos_c.append(float(c[b, p]))
+                pos_x.append(i / L)
+            if (b, k) not in key_pos:
+                continue
+            p_key, v = key_pos[(b, k)], verdicts[(b, k)]
+            place.append(where.index(p_key) / L)
+            merit.append(float(c[b, p_key]))
+            verdict.append(v)
+            k1.append(float(adv1[b, p_key]))
+            k0.append(float(adv0[b, p_key]))
+            mass["key"] += float(c[b, p_key]) ** 2
+            mass["before"] += sum(float(c[b, p]) ** 2 for p in where if p < p_key)
+            rest = [float(c[b, p]) for p in where if p > p_key]
+            mass["after"] += sum(x * x for x in rest)
+            if rest:
+                after.append(sum(rest) / len(rest))
+                after_v.append(v)
+    total = sum(mass.values())
+    return {"merit": corr(merit, verdict),
+            **{f"mass_{k}": (x / total if total > 0 else None) for k, x in mass.items()},
+            "after_vs_verdict": corr(after, after_v),
+            "key_credit_beta1": corr(k1, verdict), "key_credit_beta0": corr(k0, verdict),
+            "position": corr(pos_c, pos_x), "key_place": statistics.mean(place) if place else None,
+            "n_turns_with_key": len(verdict), "right_share": (statistics.mean(verdict)
+                                                               if verdict else None)}
+
+
+def probe(run: Path) -> dict:
+    """One checkpoint's measures on fresh episodes (the design's)."""
+    import train_min
+    from experiments import testbed_env
+    from trainer.runs import latest_checkpoint, load_checkpoint, seed_everything
+    meta = json.loads((run / "run.json").read_text())
+    model_path = json.loads((run / "config.json").read_text())["model"]
+    argv = list(meta["argv"])
+    at = argv.index("--out_dir")
+    with tempfile.TemporaryDirectory() as tmp:
+        argv[at + 1] = tmp
+        cfg = train_min.parse_config(argv)
+        suite = train_min.make_suite(cfg)           # sets the task's turn budget on cfg
+        cfg.model = model_path                      # the run's own tiny model (its cache)
+        device = torch.device("cpu")
+        tok, model, head = train_min.load_model(cfg, device)
+        ckpt = latest_checkpoint(run)
+        load_checkpoint(ckpt, model, head, None, restore_rng=False)
+        seed_everything(PROBE_SEED)
+        with torch.no_grad():
+            trajs = train_min.rollout(model, tok, suite, suite.train[:TASKS], cfg, ROLLOUTS)
+            batch = train_min.collate(trajs, tok.pad_token_id, device)
+            train_min.score_batch(model, head, batch, cfg)
+    turn_ids, values = batch["turn_ids"], batch["values"].detach()
+    rewards = mpo.outcome_rewards(batch["scores"], turn_ids)
+    adv = {beta: mpo.mpo_advantages(rewards, values, turn_ids, lam=cfg.lam,
+                                    lam_intra=cfg.lam_intra, beta=beta, whiten=False,
+                                    critic_target=cfg.returns_target)[0] for beta in (1.0, 0.0)}
+    key_pos, verdicts = {}, {}
+    for b, t in enumerate(trajs):
+        words = tok.convert_ids_to_tokens(t.ids)
+        for k, right in enumerate(t.info["correct"]):
+            verdicts[(b, k)] = int(right)
+            first = next((p for p, (w, tid) in enumerate(zip(words, t.turn_ids))
+                          if tid == k and testbed_env.is_key(w)), None)
+            if first is not None:
+                key_pos[(b, k)] = first
+    commit, diff = launcher.code_state()
+    return {"run": run.name, "setting": meta["setting"], "seed": meta["seed"],
+            "which": meta.get("arm") or meta["variant"], "checkpoint": ckpt.name,
+            **measures(adv[1.0], adv[0.0], turn_ids, key_pos, verdicts),
+            "code": {"commit": commit, "diff": bool(diff)}, "cpu": launcher.cpu_kind()}
+
+
+def wanted(run: Path) -> bool:
+    """A finished run of the design: the added arm or C, K = 4 or 8 with verdicts."""
+    try:
+        meta = json.loads((run / "run.json").read_text())
+    except (OSError, ValueError):
+        return False
+    which = meta.get("arm") or meta.get("variant")
+    return (meta.get("finished") and meta.get("setting") in SETTINGS and which in WHICH
+            and (which == "mpo_beta0") != bool(meta.get("arm")))
+
+
+def run(parents: list[Path], out: Path = RESULTS) -> None:
+    """Probe every wanted run under `parents`, resumable: a run already in `out` is kept."""
+    from tqdm import tqdm
+    done = {r["run"]: r for r in json.loads(out.read_text())["runs"]} if out.exists() else {}
+    runs = sorted({p.name: p for parent in parents for p in parent.iterdir()
+                   if p.is_dir() and wanted(p)}.items())
+    if not runs:
+        raise SystemExit(f"testbed_v4_beta.py: no finished added-arm or C run at K = 4 or 8 under "
+                         f"{', '.join(map(str, parents))}; pass --runs the folders holding them")
+    for name, path in tqdm(runs, desc="beta probe"):
+        if name in done:
+            continue
+        done[name] = probe(path)
+        launcher.write_results(out, {"command": "python experiments/testbed_v4_beta.py run",
+                                     "episodes": f"{TASKS} tasks x {ROLLOUTS}",
+                                     "probe_seed": PROBE_SEED},
+                               sorted(done.values(), key=lambda r: (r["setting"], r["which"],
+                                                                    r["seed"])))
+
+
+def table(records: list[dict]) -> str:
+    """Mean ± SE over checkpoints of each measure, by setting and which run."""
+    cols = [(s, w) for s in SETTINGS for w in WHICH]
+    n = {c: sum((r["setting"], r["which"]) == c for r in records) for c in cols}
+    head = ["measure"] + [f"{s}: {WHICH[w]} ({n[(s, w)]})" for s, w in cols]
+    lines = sig.table_head(head)
+    for key, label in MEASURES.items():
+        cells = []
+        for s, w in cols:
+            xs = [r[key] for r in records if r["setting"] == s and r["which"] == w]
+            cells.append(sig.mean_se(xs, 1.0, 2))
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def report(results: Path = RESULTS) -> str:
+    data = json.loads(results.read_text())
+    records = data["runs"]
+    cpus = sorted({r["cpu"] for r in records})
+    commits = sorted({r["code"]["commit"] + ("+diff" if r["code"]["diff"] else "")
+                      for r in records})
+    text = (f"Generated by `python experiments/testbed_v4_beta.py report` from "
+            f"[../../testbed/v4/beta_probe.json](../../testbed/v4/beta_probe.json): "
+            f"{len(records)} checkpoints; code {', '.join(commits)}; CPU {'; '.join(cpus)}. "
+            "Mean ± SE over checkpoints (– where a measure is undefined).\n\n" + table(records))
+    launcher.update_page(PAGE, SECTION, text)
+    return text
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("command", choices=["run", "report"])
+    p.add_argument("--runs", type=Path, nargs="+", default=[],
+                   help="run: folders holding v4 run folders (the study's runs/ directories)")
+    args = p.parse_args(argv)
+    if args.command == "run":
+        if not args.runs:
+            raise SystemExit("testbed_v4_beta.py: run needs --runs DIR [DIR ...], the folders "
+                             "holding the v4 run folders")
+        run(args.runs)
+    print(report())
+
+
+if __name__ == "__main__":
+    main()
