@@ -42,6 +42,10 @@ MEASURES = {
     "key_credit_beta0": "4 … β = 0",
     "position": "5 corr(c, i / L)",
     "key_place": "(added, descriptive) the key's place i / L",
+    "delta_key_vs_verdict": "(added after the results) corr(δ at key, verdict)",
+    "delta_last_vs_verdict": "(added after the results) corr(δ on the turn's last token, verdict)",
+    "delta_share_key": "(added after the results) share of Σδ² on key tokens",
+    "delta_share_last": "(added after the results) share of Σδ² on turns' last tokens",
 }
 
 
@@ -53,12 +57,14 @@ def corr(x: list[float], y: list[float]) -> float | None:
 
 
 def measures(adv1: torch.Tensor, adv0: torch.Tensor, turn_ids: torch.Tensor,
-             key_pos: dict[tuple[int, int], int], verdicts: dict[tuple[int, int], int]) -> dict:
-    """The design's five numbers for one batch.
+             key_pos: dict[tuple[int, int], int], verdicts: dict[tuple[int, int], int],
+             delta: torch.Tensor | None = None) -> dict:
+    """The design's five numbers for one batch, and where the critic's value moves.
 
     adv1, adv0: (B, T) advantages at β = 1 and β = 0 from the same values; turn_ids (B, T);
     key_pos[(b, k)]: the position of turn k's decisive token in row b (turns without one are
-    absent); verdicts[(b, k)]: 1 if turn k of row b was right, else 0.
+    absent); verdicts[(b, k)]: 1 if turn k of row b was right, else 0; delta: (B, T) the token
+    TD residuals of those values (M1), whose last one in a turn crosses the observation.
 
     Example: one row, turn 0 = positions 0-3 with the key at 1 and verdict 1, turn 1 = 4-7 with
     the key at 6 and verdict 0, ... (tests/test_testbed_v4_beta.py works one by hand).
@@ -67,6 +73,8 @@ def measures(adv1: torch.Tensor, adv0: torch.Tensor, turn_ids: torch.Tensor,
     merit, verdict, after, after_v, k1, k0 = [], [], [], [], [], []
     mass = {"key": 0.0, "before": 0.0, "after": 0.0}
     pos_c, pos_x, place = [], [], []
+    d = torch.zeros_like(c) if delta is None else delta.double()
+    d_key, d_last, d_v, d_mass = [], [], [], {"key": 0.0, "last": 0.0, "all": 0.0}
     for b in range(turn_ids.shape[0]):
         row = turn_ids[b].tolist()
         for k in range(max(row) + 1 if max(row) >= 0 else 0):
@@ -75,9 +83,15 @@ def measures(adv1: torch.Tensor, adv0: torch.Tensor, turn_ids: torch.Tensor,
             for i, p in enumerate(where):
                 pos_c.append(float(c[b, p]))
                 pos_x.append(i / L)
+            d_mass["all"] += sum(float(d[b, p]) ** 2 for p in where)
+            d_mass["last"] += float(d[b, where[-1]]) ** 2
             if (b, k) not in key_pos:
                 continue
             p_key, v = key_pos[(b, k)], verdicts[(b, k)]
+            d_key.append(float(d[b, p_key]))
+            d_last.append(float(d[b, where[-1]]))
+            d_v.append(v)
+            d_mass["key"] += float(d[b, p_key]) ** 2
             place.append(where.index(p_key) / L)
             merit.append(float(c[b, p_key]))
             verdict.append(v)
@@ -96,6 +110,9 @@ def measures(adv1: torch.Tensor, adv0: torch.Tensor, turn_ids: torch.Tensor,
             "after_vs_verdict": corr(after, after_v),
             "key_credit_beta1": corr(k1, verdict), "key_credit_beta0": corr(k0, verdict),
             "position": corr(pos_c, pos_x), "key_place": statistics.mean(place) if place else None,
+            "delta_key_vs_verdict": corr(d_key, d_v), "delta_last_vs_verdict": corr(d_last, d_v),
+            **{f"delta_share_{k}": (d_mass[k] / d_mass["all"] if d_mass["all"] > 0 else None)
+               for k in ("key", "last")},
             "n_turns_with_key": len(verdict), "right_share": (statistics.mean(verdict)
                                                                if verdict else None)}
 
@@ -128,6 +145,7 @@ def probe(run: Path) -> dict:
     adv = {beta: mpo.mpo_advantages(rewards, values, turn_ids, lam=cfg.lam,
                                     lam_intra=cfg.lam_intra, beta=beta, whiten=False,
                                     critic_target=cfg.returns_target)[0] for beta in (1.0, 0.0)}
+    delta = mpo.token_td_residuals(rewards, values, turn_ids)                   # (M1) (B, T)
     key_pos, verdicts = {}, {}
     for b, t in enumerate(trajs):
         words = tok.convert_ids_to_tokens(t.ids)
@@ -140,7 +158,7 @@ def probe(run: Path) -> dict:
     commit, diff = launcher.code_state()
     return {"run": run.name, "setting": meta["setting"], "seed": meta["seed"],
             "which": meta.get("arm") or meta["variant"], "checkpoint": ckpt.name,
-            **measures(adv[1.0], adv[0.0], turn_ids, key_pos, verdicts),
+            **measures(adv[1.0], adv[0.0], turn_ids, key_pos, verdicts, delta),
             "code": {"commit": commit, "diff": bool(diff)}, "cpu": launcher.cpu_kind()}
 
 

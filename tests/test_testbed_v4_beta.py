@@ -53,3 +53,14 @@ def test_undefined_correlations_are_none_not_a_number():
     adv1, adv0, turn_ids = batch()
     m = probe.measures(adv0.clone(), adv0, turn_ids, KEYS, VERDICTS)   # β changes nothing: c = 0
     assert m["merit"] is None and m["position"] is None and m["mass_key"] is None
+
+
+def test_where_the_critics_value_moves():
+    delta = torch.tensor([[0.0, 0.1, 0.0, 0.5, 0.0, 0.0, -0.2, -0.4],
+                          [0.0, 0.3, 0.0, -0.3, 0.2, 0.0, 0.0, 0.6]], dtype=torch.float64)
+    m = probe.measures(*batch(), KEYS, VERDICTS, delta)
+    verdict = [1, 0, 0, 1]
+    assert m["delta_key_vs_verdict"] == pytest.approx(r([0.0, -0.2, 0.3, 0.2], verdict))
+    assert m["delta_last_vs_verdict"] == pytest.approx(r([0.5, -0.4, -0.3, 0.6], verdict))
+    assert m["delta_share_key"] == pytest.approx(0.17 / 1.04)
+    assert m["delta_share_last"] == pytest.approx(0.86 / 1.04)
