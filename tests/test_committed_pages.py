@@ -54,3 +54,11 @@ def test_the_v4_study_pages_are_its_report(monkeypatch, tmp_path, capsys):
     assert_written_is_committed(written, {(testbed.TESTBED_PAGE, v4.PAGE_SECTION),
                                           (v4.SUMMARY_PAGE, v4.SUMMARY_SECTION)},
                                 tmp_path / "v4-tables.md")
+
+
+def test_the_beta_probe_page_is_its_report(monkeypatch, tmp_path, capsys):
+    from experiments import testbed_v4_beta as beta
+    written = captured(monkeypatch, tmp_path)
+    beta.report()
+    assert set(written) == {(beta.PAGE, beta.SECTION)}
+    assert section(beta.PAGE, beta.SECTION) == written[(beta.PAGE, beta.SECTION)]

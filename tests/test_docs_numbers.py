@@ -263,6 +263,56 @@ def test_v4_added_arm_prose_numbers_come_from_its_raw_file():
             + ", ".join(f"{-100 * c['mean']:.0f}" for c in vs_c) + " points") in page("README.md")
 
 
+def test_v4_beta_probe_prose_numbers_come_from_its_raw_file():
+    """docs/records/testbed/v4-beta-probe.md's findings and docs/testbed.md's bullet: every number
+    recomputed from the committed probe records (docs/testbed/v4/beta_probe.json)."""
+    from experiments import testbed_v4_beta as beta
+    records = runs(beta.RESULTS)
+    assert len(records) == 34 and {r["code"]["diff"] for r in records} == {False}
+
+    def m(setting, key, which="a_at_c_rates"):
+        return [r[key] for r in records if r["setting"] == setting and r["which"] == which]
+
+    def ms(setting, key, which="a_at_c_rates"):
+        return sig.mean_se(m(setting, key, which), 1.0, 2).replace("-", "−")
+
+    def mean(setting, key, which="a_at_c_rates"):
+        return f"{statistics.mean(m(setting, key, which)):.2f}".replace("-", "−")
+
+    def pct(setting, key):
+        return f"{100 * statistics.mean(m(setting, key)):.0f}"
+
+    K4, K8 = "v4-K4", "v4-K8"
+    position = max(abs(statistics.mean(m(s, "position", w))) for s in (K4, K8) for w in beta.WHICH)
+    record = page("docs/records/testbed/v4-beta-probe.md")
+    for sentence in [
+        f"(merit {ms(K4, 'merit')} at K = 4, {ms(K8, 'merit')} at K = 8; predicted > 0.3)",
+        f"the fillers after the key, {pct(K4, 'mass_after')}–{pct(K8, 'mass_after')} % of the "
+        "correction's squared mass",
+        f"({mean(K4, 'after_vs_verdict')}, {mean(K8, 'after_vs_verdict')}; predicted < 0)",
+        f"({mean(K4, 'key_credit_beta1')} against {mean(K4, 'key_credit_beta0')} at K = 4, "
+        f"{mean(K8, 'key_credit_beta1')} against {mean(K8, 'key_credit_beta0')} at K = 8;",
+        f"The key token holds {pct(K4, 'mass_key')} % of the mass",
+        f"(|corr| ≤ {position:.2f})",
+        f"follows the verdict ({ms(K4, 'delta_last_vs_verdict')}, "
+        f"{ms(K8, 'delta_last_vs_verdict')}) and carries {pct(K8, 'delta_share_last')}–"
+        f"{pct(K4, 'delta_share_last')} % of Σδ²",
+        f"δ at the key token does not ({ms(K4, 'delta_key_vs_verdict')}, "
+        f"{ms(K8, 'delta_key_vs_verdict')}; {pct(K4, 'delta_share_key')}–"
+        f"{pct(K8, 'delta_share_key')} % of Σδ²)",
+        f"the key sits early (at {mean(K4, 'key_place')} of its turn)",
+    ]:
+        assert sentence in record, sentence
+    assert mean(K8, "key_place") == mean(K4, "key_place")
+    # the same pattern on C's critic: merit negative, key credit lower at beta = 1
+    for s in (K4, K8):
+        assert statistics.mean(m(s, "merit", "mpo_beta0")) < 0
+        assert statistics.mean(m(s, "key_credit_beta1", "mpo_beta0")) < statistics.mean(
+            m(s, "key_credit_beta0", "mpo_beta0"))
+    assert (f"the correction at the key runs against its verdict ({mean(K4, 'merit')}, "
+            f"{mean(K8, 'merit')} at K = 4, 8)") in page("docs/testbed.md")
+
+
 def test_why_section_prose_numbers_come_from_its_raw_file():
     """docs/testbed.md's "Predictions against the results" and attribution for the mechanism
     arms (experiments/testbed_why.py): every paired number recomputed from the committed records."""
