@@ -339,6 +339,8 @@ class TestbedOptions:
                                  "see 'next' and change nothing)")
     testbed_key_anywhere: bool = flag(False, "testbed: a turn's answer is its first key word "
                                       "wherever it stands (default: the turn's first word)")
+    testbed_key_last: bool = flag(False, "testbed: a turn's answer is its last key word "
+                                  "wherever it stands (the mirror of --testbed_key_anywhere)")
     testbed_full_turns: bool = flag(False, "testbed: every turn runs to L tokens (its end marker "
                                     "is no stop id; default: a sampled <|im_end|> ends it)")
     testbed_verdict_delay: int = flag(0, "testbed, with --testbed_decisive first and no feedback: "
@@ -350,7 +352,7 @@ class TestbedOptions:
         testbed_env.check_options(self.testbed_streaming, self.testbed_decisive,
                                   self.testbed_key_anywhere, self.testbed_full_turns,
                                   self.testbed_verdict_delay, self.testbed_turns,
-                                  self.testbed_feedback)
+                                  self.testbed_feedback, self.testbed_key_last)
 
 
 # temperature: the random base's logits span only about ±1.3 nats (init std 0.02, frozen final norm
@@ -384,7 +386,8 @@ def testbed_suite(cfg):
     def make_env(task):
         return testbed_env.KeyTurnEnv(task, o.testbed_turn_len, o.testbed_streaming,
                                       o.testbed_feedback, o.testbed_decisive,
-                                      o.testbed_key_anywhere, o.testbed_verdict_delay)
+                                      o.testbed_key_anywhere, o.testbed_verdict_delay,
+                                      o.testbed_key_last)
 
     return Suite(train, val, make_env, corpus=testbed_env.corpus(o.testbed_keys,
                                                                  o.testbed_full_turns),

@@ -37,6 +37,8 @@ The regime of the paper's argument (§2: credit crossing long turns; docs/testbe
   turn d says "ok" or "no" for turn 0's key, the others "next": the outcome becomes visible at a
   turn boundary (d = 1: the next one; d = 2: one turn later), as a search result shows whether a
   query worked. The reward is unchanged.
+- `--testbed_key_last`: a turn's answer is its *last* key word (the mirror of key anywhere: the
+  decisive token sits late in its turn; docs/records/testbed/v4-beta-probe.md).
 - `--testbed_full_turns`: every turn runs to its L tokens. train_min's `generate` stops a turn at
   the tokenizer's eos / pad / `<|im_end|>`; this tokenizer closes turns with `<|end|>` and pads with
   `<unk>`, so no sampleable id stops a turn (a sampled `<|end|>` is an ordinary word, decoded
@@ -103,8 +105,12 @@ def is_key(word: str) -> bool:
 
 def check_options(streaming: bool = False, decisive: str = "every", key_anywhere: bool = False,
                   full_turns: bool = False, verdict_delay: int = 0, turns: int | None = None,
-                  feedback: bool = False) -> None:
+                  feedback: bool = False, key_last: bool = False) -> None:
     """Refuse the testbed flag combinations that mean nothing (a ValueError naming the flags)."""
+    if key_last and (key_anywhere or streaming):
+        raise ValueError("--testbed_key_last (a turn's answer is its last key word) excludes "
+                         "--testbed_key_anywhere (its first) and --testbed_streaming (one-token "
+                         "turns); choose one")
     if verdict_delay:
         if verdict_delay < 0 or decisive != "first":
             raise ValueError(f"--testbed_verdict_delay {verdict_delay}: a delayed verdict shows "
@@ -182,7 +188,8 @@ def max_episode_tokens(turns: int, turn_len: int, streaming: bool) -> int:
 class KeyTurnEnv:
     """One episode of `task`: K turns of `turn_len` words, or K·L one-word turns when `streaming`.
 
-    A turn's answer is its first word, or with `key_anywhere` its first key word (the rollout
+    A turn's answer is its first word, with `key_anywhere` its first key word, with `key_last`
+    its last key word (the rollout
     decodes with special tokens removed, so a sampled <|im_start|> or <unk> is invisible); a turn
     that ends early (the model sampled <|im_end|>) keeps whatever words it has; a turn without an
     answer misses its key. `decisive`: "every" (each turn's key counts, R = fraction right) or
@@ -196,13 +203,14 @@ class KeyTurnEnv:
     """
 
     def __init__(self, task: Task, turn_len: int, streaming: bool = False, feedback: bool = True,
-                 decisive: str = "every", key_anywhere: bool = False, verdict_delay: int = 0):
+                 decisive: str = "every", key_anywhere: bool = False, verdict_delay: int = 0,
+                 key_last: bool = False):
         if turn_len < 1:
             raise ValueError(f"turn_len must be >= 1, got {turn_len}")
         check_options(streaming, decisive, key_anywhere, verdict_delay=verdict_delay,
-                      turns=len(task.clues), feedback=feedback)
+                      turns=len(task.clues), feedback=feedback, key_last=key_last)
         self.task, self.turn_len, self.streaming, self.feedback = task, turn_len, streaming, feedback
-        self.decisive, self.key_anywhere = decisive, key_anywhere
+        self.decisive, self.key_anywhere, self.key_last = decisive, key_anywhere, key_last
         self.verdict_delay = verdict_delay      # d > 0: turn 0's verdict shown before turn d
         self.correct: list[int] = []
         self.steps, self.done = 0, True
@@ -218,11 +226,12 @@ class KeyTurnEnv:
         return [{"role": "user", "content": clue_word(self.task.clues[0])}]
 
     def answer(self, assistant_text: str) -> str:
-        """The turn's answer: its first word, or its first key word with key_anywhere ("": none)."""
+        """The turn's answer: its first word, its first key word with key_anywhere, its last key
+        word with key_last ("": none)."""
         words = assistant_text.split()
-        if self.key_anywhere:
+        if self.key_anywhere or self.key_last:
             words = [w for w in words if is_key(w)]
-        return (words or [""])[0]
+        return (words or [""])[-1 if self.key_last else 0]
 
     def step(self, assistant_text: str) -> StepResult:
         if self.done:

@@ -1,8 +1,10 @@
 """Testbed v4's β probe: where β = 1's centred correction puts credit, read on final checkpoints
-(no training). Design, prediction and tables: docs/records/testbed/v4-beta-probe.md (the design
-written before the probe's first run).
+(no training), and the causal arm that moves the decisive token to the end of its turn. Design,
+predictions and tables: docs/records/testbed/v4-beta-probe.md (each design written before its
+first run).
 
     python experiments/testbed_v4_beta.py run --runs DIR [DIR ...]   # v4 run folders' parents
+    python experiments/testbed_v4_beta.py arm [--seeds 0 1 ...]      # the causal arm (~30 min)
     python experiments/testbed_v4_beta.py report                     # the page's tables
 
 For each checkpoint: 16 training tasks x 8 rollouts at the training temperature (probe seed 0),
@@ -23,13 +25,18 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import mpo  # noqa: E402
-from experiments import launcher, significance as sig  # noqa: E402
+from experiments import launcher, significance as sig, testbed  # noqa: E402
+from experiments import testbed_v4 as v4  # noqa: E402
 
 ROOT = launcher.ROOT
 RESULTS = ROOT / "docs" / "testbed" / "v4" / "beta_probe.json"
 PAGE = ROOT / "docs" / "records" / "testbed" / "v4-beta-probe.md"
 SECTION = "beta-probe"
-SETTINGS = ("v4-K4", "v4-K8")
+# The causal arm: v4's K = 4 task with the turn's LAST key word deciding (--testbed_key_last),
+# A and C both at C's rates, seeds 0-9; its checkpoints are probed as the others.
+ARM_SETTING, ARM_RATES, ARM_VARIANTS = "v4-K4-last", (3e-3, 3e-3), ("mpo", "mpo_beta0")
+ARM_RESULTS = ROOT / "docs" / "testbed" / "v4" / "beta_arm.json"
+SETTINGS = ("v4-K4", "v4-K8", ARM_SETTING)
 WHICH = {"a_at_c_rates": "A at C's rates (β = 1)", "mpo_beta0": "C (β = 0)"}
 TASKS, ROLLOUTS, PROBE_SEED = 16, 8, 0
 MEASURES = {
@@ -157,20 +164,28 @@ def probe(run: Path) -> dict:
                 key_pos[(b, k)] = first
     commit, diff = launcher.code_state()
     return {"run": run.name, "setting": meta["setting"], "seed": meta["seed"],
-            "which": meta.get("arm") or meta["variant"], "checkpoint": ckpt.name,
+            "which": which_run(meta), "checkpoint": ckpt.name,
             **measures(adv[1.0], adv[0.0], turn_ids, key_pos, verdicts, delta),
             "code": {"commit": commit, "diff": bool(diff)}, "cpu": launcher.cpu_kind()}
 
 
+def which_run(meta: dict) -> str | None:
+    """The probe's name for a run: the added arm or the causal arm's A ("a_at_c_rates"), C
+    ("mpo_beta0"), else None."""
+    if meta.get("setting") == ARM_SETTING:
+        return {"mpo": "a_at_c_rates", "mpo_beta0": "mpo_beta0"}.get(meta.get("variant"))
+    which = meta.get("arm") or meta.get("variant")
+    return which if which in WHICH and (which == "mpo_beta0") != bool(meta.get("arm")) else None
+
+
 def wanted(run: Path) -> bool:
-    """A finished run of the design: the added arm or C, K = 4 or 8 with verdicts."""
+    """A finished run of the designs: the added arm or C at K = 4 or 8 with verdicts, or the
+    causal arm's A or C."""
     try:
         meta = json.loads((run / "run.json").read_text())
     except (OSError, ValueError):
         return False
-    which = meta.get("arm") or meta.get("variant")
-    return (meta.get("finished") and meta.get("setting") in SETTINGS and which in WHICH
-            and (which == "mpo_beta0") != bool(meta.get("arm")))
+    return bool(meta.get("finished") and meta.get("setting") in SETTINGS and which_run(meta))
 
 
 def run(parents: list[Path], out: Path = RESULTS) -> None:
@@ -193,10 +208,63 @@ def run(parents: list[Path], out: Path = RESULTS) -> None:
                                                                     r["seed"])))
 
 
+# --- the causal arm ---------------------------------------------------------------------------
+
+def arm_flags(variant: str) -> list[str]:
+    """v4's K = 4 flags at C's rates, the decisive word the turn's last key word."""
+    flags = v4.flags("v4-K4", variant, ARM_RATES)
+    flags[flags.index("--testbed_key_anywhere") + 1] = "false"
+    return [*flags, "--testbed_key_last", "true"]
+
+
+def arm_jobs(root: Path, cache: Path, seeds) -> list[dict]:
+    return [testbed.testbed_job(root, ARM_SETTING, variant, seed, v4.STEPS + v4.WARMUP,
+                                v4.TURN_LEN, arm_flags(variant),
+                                {"setting": ARM_SETTING, "regime": "v4-last", "turns": 4,
+                                 "feedback": True, "warmup": v4.WARMUP, "streaming": False,
+                                 "lr": list(ARM_RATES)}, cache)
+            for seed in seeds for variant in ARM_VARIANTS]
+
+
+def run_arm(out: Path, seeds, workers: int) -> None:
+    """The causal arm seed by seed (resumable), its records saved after each seed."""
+    cache = (out / "cache").resolve()
+    for seed in seeds:
+        launcher.run_jobs(arm_jobs(out, cache, [seed]), workers)
+        records = [r for r in testbed.collect_v2(out, "regime") if r["regime"] == "v4-last"]
+        launcher.save_study(out, ARM_RESULTS, sorted(records, key=lambda r: (r["variant"],
+                                                                              r["seed"])),
+                            lambda r: f"{ARM_SETTING}-{r['variant']}-s{r['seed']}",
+                            "python experiments/testbed_v4_beta.py arm",
+                            len(ARM_VARIANTS) * len(v4.SEEDS), 0)
+
+
+def arm_table(arm: list[dict], added: list[dict], planned: list[dict]) -> str:
+    """A − C (both at C's rates), paired by seed: with the last key word deciding (the arm) and
+    with the first (v4-K4, the added arm against C), final success and the key token's place."""
+    def by_seed(rs, **match):
+        return {r["seed"]: r["final"] for r in rs if all(r.get(k) == v for k, v in match.items())}
+    values = {"last A": by_seed(arm, variant="mpo"), "last C": by_seed(arm, variant="mpo_beta0"),
+              "first A": by_seed(added, setting="v4-K4"),
+              "first C": by_seed(planned, setting="v4-K4", variant="mpo_beta0")}
+    comps = sig.paired_family(values, [("last A", "last C"), ("first A", "first C")], v4.SEEDS,
+                              holm_p=False)
+    lines = sig.table_head(["decisive word", "seeds", "A (β = 1) final", "C (β = 0) final",
+                            "A − C, final (p)"])
+    for c in comps:
+        where = c["row"].split()[0]
+        lines.append(f"| the turn's {where} key word | {c['n']} | "
+                     f"{sig.mean_se(list(values[c['row']].values()))} | "
+                     f"{sig.mean_se(list(values[c['ref']].values()))} | "
+                     f"{sig.signed(c['mean'])} ± {100 * c['se']:.1f} ({sig.fmt_p(c['p'])}) |")
+    return "\n".join(lines) + "\n"
+
+
 def table(records: list[dict]) -> str:
     """Mean ± SE over checkpoints of each measure, by setting and which run."""
-    cols = [(s, w) for s in SETTINGS for w in WHICH]
-    n = {c: sum((r["setting"], r["which"]) == c for r in records) for c in cols}
+    n = {(s, w): sum((r["setting"], r["which"]) == (s, w) for r in records)
+         for s in SETTINGS for w in WHICH}
+    cols = [c for c in n if n[c]]                 # the causal arm's once it has been probed
     head = ["measure"] + [f"{s}: {WHICH[w]} ({n[(s, w)]})" for s, w in cols]
     lines = sig.table_head(head)
     for key, label in MEASURES.items():
@@ -218,16 +286,33 @@ def report(results: Path = RESULTS) -> str:
             f"[../../testbed/v4/beta_probe.json](../../testbed/v4/beta_probe.json): "
             f"{len(records)} checkpoints; code {', '.join(commits)}; CPU {'; '.join(cpus)}. "
             "Mean ± SE over checkpoints (– where a measure is undefined).\n\n" + table(records))
+    if ARM_RESULTS.exists():
+        arm = launcher.load_records(ARM_RESULTS)
+        codes = sorted({c["commit"] + ("+diff" if c["diff"] else "") for r in arm
+                        for c in r["code"]})
+        text += ("\n**The causal arm** (final success after the 60th policy update, points, mean "
+                 f"± SE; paired by seed; [../../testbed/v4/beta_arm.json]"
+                 f"(../../testbed/v4/beta_arm.json): {len(arm)} runs, code {', '.join(codes)}):"
+                 "\n\n" + arm_table(arm, v4.load(added=True), v4.load()))
     launcher.update_page(PAGE, SECTION, text)
     return text
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("command", choices=["run", "report"])
+    p.add_argument("command", choices=["run", "arm", "report"])
     p.add_argument("--runs", type=Path, nargs="+", default=[],
                    help="run: folders holding v4 run folders (the study's runs/ directories)")
+    p.add_argument("--seeds", type=int, nargs="+", default=list(v4.SEEDS),
+                   help="arm: the seeds to run (0-9), one at a time")
+    p.add_argument("--out", type=Path, default=ROOT / "runs" / "testbed-v4-beta",
+                   help="arm: where its run folders go (resumable)")
+    p.add_argument("--workers", type=int, choices=[1, 2], default=2, help="arm: parallel runs")
     args = p.parse_args(argv)
+    if bad := [s for s in args.seeds if s not in v4.SEEDS]:
+        raise SystemExit(f"testbed_v4_beta.py: --seeds {bad} are not study seeds (0-9)")
+    if args.command == "arm":
+        run_arm(args.out.resolve(), args.seeds, args.workers)
     if args.command == "run":
         if not args.runs:
             raise SystemExit("testbed_v4_beta.py: run needs --runs DIR [DIR ...], the folders "

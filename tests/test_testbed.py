@@ -156,6 +156,22 @@ def test_key_anywhere_with_every_turn_decisive_is_the_fraction_of_first_keys_rig
     assert play(te.KeyTurnEnv(task, 3), answers)[1].reward == 0.0          # fixed slot: all missed
 
 
+@pytest.mark.parametrize("text, right", [
+    ("f0 f1 c3 k2", 1),        # key last
+    ("k2 f0 f1 f2", 1),        # the only key word, first
+    ("k1 f0 k2 f3", 1),        # a wrong key before the right one: the last key word answers
+    ("f0 k2 k1 f3", 0),        # a right key before a wrong one: the wrong one answers
+    ("f0 f1 c3 ok", 0),        # no key word at all
+])
+def test_key_last_takes_the_last_key_word_of_each_turn(text, right):
+    task = te.Task(clues=(5, 0, 3), keys=(2, 7, 4))
+    _, res = play(te.KeyTurnEnv(task, 4, key_last=True), [text, "f0 k7", "k4 k0"])
+    assert res.info["correct"] == [right, 1, 0]
+    assert res.reward == pytest.approx((right + 1) / 3)
+    anywhere = play(te.KeyTurnEnv(task, 4, key_anywhere=True), [text, "f0 k7", "k4 k0"])[1]
+    assert anywhere.info["correct"][1:] == [1, 1]                  # its first key word: k4
+
+
 def test_streaming_with_decisive_first_scores_group_0_and_shows_no_later_clue():
     task = te.Task(clues=(1, 6), keys=(4, 0))
     env = te.KeyTurnEnv(task, 3, streaming=True, decisive="first")
@@ -171,6 +187,8 @@ def test_streaming_with_decisive_first_scores_group_0_and_shows_no_later_clue():
     ({"streaming": True, "key_anywhere": True}, ("--testbed_key_anywhere", "--testbed_streaming")),
     ({"streaming": True, "full_turns": True}, ("--testbed_full_turns", "--testbed_streaming")),
     ({"decisive": "last"}, ("--testbed_decisive",)),
+    ({"key_last": True, "key_anywhere": True}, ("--testbed_key_last", "--testbed_key_anywhere")),
+    ({"key_last": True, "streaming": True}, ("--testbed_key_last", "--testbed_streaming")),
 ])
 def test_meaningless_flag_combinations_are_refused_naming_the_flags(kwargs, flags):
     with pytest.raises(ValueError) as err:
