@@ -48,8 +48,9 @@ BASE_FLAGS = ["--testbed_decisive", "every", "--testbed_key_anywhere", "true",
 # 100-102; tests/test_testbed_v4.py checks them against its choice); B takes A's.
 TUNED = {"mpo": (3e-3, 1e-2), "mpo_token_is": (3e-3, 1e-2), "mpo_beta0": (3e-3, 3e-3),
          "ppo": (3e-3, 1e-2), "grpo": (3e-3, None), "sao": (3e-3, 3e-3)}
-# Added after seed 0 (docs/testbed.md, "A note after seed 0"; not in the design, run after the 240
-# planned runs and reported apart): arm -> (variant, (policy lr, critic lr), what it isolates)
+# Added after seed 0 (docs/records/testbed.md, "v4: a note after seed 0"; not in the design, run
+# after the 240 planned runs and reported apart): arm -> (variant, (policy lr, critic lr), what it
+# isolates)
 ADDED = {"a_at_c_rates": ("mpo", (3e-3, 3e-3), "A at C's rates: β with critics that learn")}
 RESULTS = ROOT / "docs" / "testbed" / "v4" / "results.json"
 RECORD_TABLES = ROOT / "docs" / "records" / "testbed" / "v4-tables.md"

@@ -155,10 +155,11 @@ def test_bad_seeds_are_refused_in_one_line():
 
 
 def test_the_note_after_seed_0_quotes_seed_0s_records():
-    """docs/testbed.md's note after seed 0: A's critic (rate 1e-2) learns nothing, C's reads the
-    verdicts at K = 8, and the credit qualities of A and GRPO, from the committed records."""
+    """The note after seed 0 (docs/records/testbed.md, moved from docs/testbed.md): A's critic
+    (rate 1e-2) learns nothing, C's reads the verdicts at K = 8, and the credit qualities of A and
+    GRPO, from the committed records."""
     seed0 = {(r["setting"], r["variant"]): r for r in v4.load() if r["seed"] == 0}
-    text = (v4.ROOT / "docs" / "testbed.md").read_text()
+    text = (v4.ROOT / "docs" / "records" / "testbed.md").read_text()
     assert all(abs(r["critic"][k]) < 0.03 for (s, v), r in seed0.items() if v == "mpo"
                for k in r["critic"] if k.startswith("ev_R_turn"))
     shares = [seed0[(s, "mpo")]["critic"]["between_share_token_median"] for s in v4.SETTINGS]
