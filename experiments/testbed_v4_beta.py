@@ -4,7 +4,7 @@ predictions and tables: docs/records/testbed/v4-beta-probe.md (each design writt
 first run).
 
     python experiments/testbed_v4_beta.py run --runs DIR [DIR ...]   # v4 run folders' parents
-    python experiments/testbed_v4_beta.py arm [--seeds 0 1 ...]      # the causal arm (~30 min)
+    python experiments/testbed_v4_beta.py arm [--seeds 0 1 ...]      # a causal arm (~25 min)
     python experiments/testbed_v4_beta.py report                     # the page's tables
 
 For each checkpoint: 16 training tasks x 8 rollouts at the training temperature (probe seed 0),
@@ -32,11 +32,15 @@ ROOT = launcher.ROOT
 RESULTS = ROOT / "docs" / "testbed" / "v4" / "beta_probe.json"
 PAGE = ROOT / "docs" / "records" / "testbed" / "v4-beta-probe.md"
 SECTION = "beta-probe"
-# The causal arm: v4's K = 4 task with the turn's LAST key word deciding (--testbed_key_last),
-# A and C both at C's rates, seeds 0-9; its checkpoints are probed as the others.
-ARM_SETTING, ARM_RATES, ARM_VARIANTS = "v4-K4-last", (3e-3, 3e-3), ("mpo", "mpo_beta0")
+# The causal arms, A and C both at C's rates on v4's K = 4 task, seeds 0-9, each changing one
+# thing (setting -> (regime, its flags after v4's, what it changes)); their checkpoints are
+# probed as the others. "v4-K4-last" was stopped after 2 seeds: its task stayed at chance.
+ARMS = {"v4-K4-last": ("v4-last", ["--testbed_key_anywhere", "false", "--testbed_key_last",
+                                   "true"], "the turn's last key word decides"),
+        "v4-K4-lamintra1": ("v4-lamintra1", ["--lam_intra", "1"], "λ_intra = 1")}
+ARM_RATES, ARM_VARIANTS = (3e-3, 3e-3), ("mpo", "mpo_beta0")
 ARM_RESULTS = ROOT / "docs" / "testbed" / "v4" / "beta_arm.json"
-SETTINGS = ("v4-K4", "v4-K8", ARM_SETTING)
+SETTINGS = ("v4-K4", "v4-K8", *ARMS)
 WHICH = {"a_at_c_rates": "A at C's rates (β = 1)", "mpo_beta0": "C (β = 0)"}
 TASKS, ROLLOUTS, PROBE_SEED = 16, 8, 0
 MEASURES = {
@@ -172,7 +176,7 @@ def probe(run: Path) -> dict:
 def which_run(meta: dict) -> str | None:
     """The probe's name for a run: the added arm or the causal arm's A ("a_at_c_rates"), C
     ("mpo_beta0"), else None."""
-    if meta.get("setting") == ARM_SETTING:
+    if meta.get("setting") in ARMS:
         return {"mpo": "a_at_c_rates", "mpo_beta0": "mpo_beta0"}.get(meta.get("variant"))
     which = meta.get("arm") or meta.get("variant")
     return which if which in WHICH and (which == "mpo_beta0") != bool(meta.get("arm")) else None
@@ -210,53 +214,68 @@ def run(parents: list[Path], out: Path = RESULTS) -> None:
 
 # --- the causal arm ---------------------------------------------------------------------------
 
-def arm_flags(variant: str) -> list[str]:
-    """v4's K = 4 flags at C's rates, the decisive word the turn's last key word."""
-    flags = v4.flags("v4-K4", variant, ARM_RATES)
-    flags[flags.index("--testbed_key_anywhere") + 1] = "false"
-    return [*flags, "--testbed_key_last", "true"]
+def arm_flags(setting: str, variant: str) -> list[str]:
+    """v4's K = 4 flags at C's rates, then the arm's change (a later flag wins)."""
+    return [*v4.flags("v4-K4", variant, ARM_RATES), *ARMS[setting][1]]
 
 
-def arm_jobs(root: Path, cache: Path, seeds) -> list[dict]:
-    return [testbed.testbed_job(root, ARM_SETTING, variant, seed, v4.STEPS + v4.WARMUP,
-                                v4.TURN_LEN, arm_flags(variant),
-                                {"setting": ARM_SETTING, "regime": "v4-last", "turns": 4,
+def arm_jobs(root: Path, cache: Path, setting: str, seeds) -> list[dict]:
+    return [testbed.testbed_job(root, setting, variant, seed, v4.STEPS + v4.WARMUP,
+                                v4.TURN_LEN, arm_flags(setting, variant),
+                                {"setting": setting, "regime": ARMS[setting][0], "turns": 4,
                                  "feedback": True, "warmup": v4.WARMUP, "streaming": False,
                                  "lr": list(ARM_RATES)}, cache)
             for seed in seeds for variant in ARM_VARIANTS]
 
 
-def run_arm(out: Path, seeds, workers: int) -> None:
-    """The causal arm seed by seed (resumable), its records saved after each seed."""
+def run_arm(out: Path, setting: str, seeds, workers: int) -> None:
+    """One causal arm seed by seed (resumable), the arms' records saved after each seed."""
     cache = (out / "cache").resolve()
+    regimes = {regime for regime, _, _ in ARMS.values()}
     for seed in seeds:
-        launcher.run_jobs(arm_jobs(out, cache, [seed]), workers)
-        records = [r for r in testbed.collect_v2(out, "regime") if r["regime"] == "v4-last"]
-        launcher.save_study(out, ARM_RESULTS, sorted(records, key=lambda r: (r["variant"],
-                                                                              r["seed"])),
-                            lambda r: f"{ARM_SETTING}-{r['variant']}-s{r['seed']}",
-                            "python experiments/testbed_v4_beta.py arm",
-                            len(ARM_VARIANTS) * len(v4.SEEDS), 0)
+        launcher.run_jobs(arm_jobs(out, cache, setting, [seed]), workers)
+        found = [r for r in testbed.collect_v2(out, "regime") if r["regime"] in regimes]
+        records, kept = launcher.merge_records(ARM_RESULTS, found, arm_key, arm_key)
+        launcher.save_study(out, ARM_RESULTS, records,
+                            lambda r: f"{r['setting']}-{r['variant']}-s{r['seed']}",
+                            f"python experiments/testbed_v4_beta.py arm --setting {setting}",
+                            len(ARMS) * len(ARM_VARIANTS) * len(v4.SEEDS), kept)
+
+
+def arm_key(r: dict) -> tuple:
+    return (r["setting"], r["variant"], r["seed"])
 
 
 def arm_table(arm: list[dict], added: list[dict], planned: list[dict]) -> str:
-    """A − C (both at C's rates), paired by seed: with the last key word deciding (the arm) and
-    with the first (v4-K4, the added arm against C), final success and the key token's place."""
+    """A − C (both at C's rates) paired by seed, in each arm and on v4-K4 itself (the added arm
+    against C); and each arm's difference of differences from v4-K4 (paired by seed, the test)."""
     def by_seed(rs, **match):
         return {r["seed"]: r["final"] for r in rs if all(r.get(k) == v for k, v in match.items())}
-    values = {"last A": by_seed(arm, variant="mpo"), "last C": by_seed(arm, variant="mpo_beta0"),
-              "first A": by_seed(added, setting="v4-K4"),
-              "first C": by_seed(planned, setting="v4-K4", variant="mpo_beta0")}
-    comps = sig.paired_family(values, [("last A", "last C"), ("first A", "first C")], v4.SEEDS,
-                              holm_p=False)
-    lines = sig.table_head(["decisive word", "seeds", "A (β = 1) final", "C (β = 0) final",
-                            "A − C, final (p)"])
-    for c in comps:
-        where = c["row"].split()[0]
-        lines.append(f"| the turn's {where} key word | {c['n']} | "
-                     f"{sig.mean_se(list(values[c['row']].values()))} | "
-                     f"{sig.mean_se(list(values[c['ref']].values()))} | "
-                     f"{sig.signed(c['mean'])} ± {100 * c['se']:.1f} ({sig.fmt_p(c['p'])}) |")
+    values = {("v4-K4", "A"): by_seed(added, setting="v4-K4"),
+              ("v4-K4", "C"): by_seed(planned, setting="v4-K4", variant="mpo_beta0")}
+    for setting in ARMS:
+        values[(setting, "A")] = by_seed(arm, setting=setting, variant="mpo")
+        values[(setting, "C")] = by_seed(arm, setting=setting, variant="mpo_beta0")
+    settings = ["v4-K4", *ARMS]
+    for setting in settings:                      # per seed: A − C
+        a, c = values[(setting, "A")], values[(setting, "C")]
+        values[(setting, "A − C")] = {k: a[k] - c[k] for k in a if k in c}
+    within = {c["row"][0]: c for c in sig.paired_family(
+        values, [((st, "A"), (st, "C")) for st in settings], v4.SEEDS, holm_p=False)}
+    dod = {c["row"][0]: c for c in sig.paired_family(
+        values, [((st, "A − C"), ("v4-K4", "A − C")) for st in ARMS], v4.SEEDS, holm_p=False)}
+    lines = sig.table_head(["task", "seeds", "A (β = 1) final", "C (β = 0) final",
+                            "A − C (p)", "(A − C) − (A − C on v4-K4) (p)"])
+    for st in settings:
+        if st not in within:
+            continue
+        w, d = within[st], dod.get(st)
+        what = ARMS[st][2] if st in ARMS else "v4-K4: the first key word decides, λ_intra = 0.95"
+        lines.append(f"| {what} | {w['n']} | {sig.mean_se(list(values[(st, 'A')].values()))} | "
+                     f"{sig.mean_se(list(values[(st, 'C')].values()))} | "
+                     f"{sig.signed(w['mean'])} ± {100 * w['se']:.1f} ({sig.fmt_p(w['p'])}) | "
+                     + ("–" if d is None else f"{sig.signed(d['mean'])} ± {100 * d['se']:.1f} "
+                        f"({sig.fmt_p(d['p'])})") + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -290,8 +309,8 @@ def report(results: Path = RESULTS) -> str:
         arm = launcher.load_records(ARM_RESULTS)
         codes = sorted({c["commit"] + ("+diff" if c["diff"] else "") for r in arm
                         for c in r["code"]})
-        text += ("\n**The causal arm** (final success after the 60th policy update, points, mean "
-                 f"± SE; paired by seed; [../../testbed/v4/beta_arm.json]"
+        text += ("\n**The causal arms** (final success after the 60th policy update, points, "
+                 f"mean ± SE; paired by seed; [../../testbed/v4/beta_arm.json]"
                  f"(../../testbed/v4/beta_arm.json): {len(arm)} runs, code {', '.join(codes)}):"
                  "\n\n" + arm_table(arm, v4.load(added=True), v4.load()))
     launcher.update_page(PAGE, SECTION, text)
@@ -308,11 +327,13 @@ def main(argv=None) -> None:
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "testbed-v4-beta",
                    help="arm: where its run folders go (resumable)")
     p.add_argument("--workers", type=int, choices=[1, 2], default=2, help="arm: parallel runs")
+    p.add_argument("--setting", choices=list(ARMS), default="v4-K4-lamintra1",
+                   help="arm: which causal arm")
     args = p.parse_args(argv)
     if bad := [s for s in args.seeds if s not in v4.SEEDS]:
         raise SystemExit(f"testbed_v4_beta.py: --seeds {bad} are not study seeds (0-9)")
     if args.command == "arm":
-        run_arm(args.out.resolve(), args.seeds, args.workers)
+        run_arm(args.out.resolve(), args.setting, args.seeds, args.workers)
     if args.command == "run":
         if not args.runs:
             raise SystemExit("testbed_v4_beta.py: run needs --runs DIR [DIR ...], the folders "

@@ -64,3 +64,27 @@ def test_where_the_critics_value_moves():
     assert m["delta_last_vs_verdict"] == pytest.approx(r([0.5, -0.4, -0.3, 0.6], verdict))
     assert m["delta_share_key"] == pytest.approx(0.17 / 1.04)
     assert m["delta_share_last"] == pytest.approx(0.86 / 1.04)
+
+
+def test_the_causal_arms_change_one_thing_each_from_the_added_arm():
+    import train_min
+    from pathlib import Path
+    from experiments import testbed_v4 as v4
+    [base] = [train_min.parse_config(j["argv"])
+              for j in v4.added_jobs(Path("/x"), Path("/c"), [], seeds=[3])
+              if j["meta"]["setting"] == "v4-K4"]
+    for setting, changed in (("v4-K4-lamintra1", {"lam_intra": 1.0}),
+                             ("v4-K4-last", {"preset_options": {**base.preset_options,
+                                                                "testbed_key_anywhere": False,
+                                                                "testbed_key_last": True}})):
+        jobs = probe.arm_jobs(Path("/x"), Path("/c"), setting, [3])
+        names = [Path(j["out"]).name for j in jobs]
+        assert names == [f"{setting}-mpo-s3", f"{setting}-mpo_beta0-s3"]
+        for job, beta in zip(jobs, (1.0, 0.0)):
+            cfg = train_min.parse_config(job["argv"])
+            assert cfg.beta == beta and job["meta"]["regime"] == probe.ARMS[setting][0]
+            diff = {k: v for k, v in vars(cfg).items() if vars(base).get(k) != v}
+            diff.pop("out_dir"), diff.pop("variant", None), diff.pop("beta", None)
+            if beta == 0.0:
+                diff.pop("spec", None)
+            assert diff == changed, (setting, diff)
