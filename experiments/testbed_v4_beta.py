@@ -10,7 +10,8 @@ first run).
 For each checkpoint: 16 training tasks x 8 rollouts at the training temperature (probe seed 0),
 values from its own critic, `mpo.mpo_advantages` at β = 1 and β = 0 on the same values
 (unwhitened); c = A(β = 1) − A(β = 0) = A^intra − its turn mean. Each turn's decisive token is
-its first key word. `measures` turns one batch into the page's five numbers.
+its first key word (its last where the last key word decides). `measures` turns one batch into
+the page's five numbers.
 """
 from __future__ import annotations
 
@@ -162,10 +163,10 @@ def probe(run: Path) -> dict:
         words = tok.convert_ids_to_tokens(t.ids)
         for k, right in enumerate(t.info["correct"]):
             verdicts[(b, k)] = int(right)
-            first = next((p for p, (w, tid) in enumerate(zip(words, t.turn_ids))
-                          if tid == k and testbed_env.is_key(w)), None)
-            if first is not None:
-                key_pos[(b, k)] = first
+            keys = [p for p, (w, tid) in enumerate(zip(words, t.turn_ids))
+                    if tid == k and testbed_env.is_key(w)]
+            if keys:                        # the decisive one: the first, with key_last the last
+                key_pos[(b, k)] = keys[-1 if cfg.preset_options["testbed_key_last"] else 0]
     commit, diff = launcher.code_state()
     return {"run": run.name, "setting": meta["setting"], "seed": meta["seed"],
             "which": which_run(meta), "checkpoint": ckpt.name,
