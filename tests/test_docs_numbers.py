@@ -268,7 +268,9 @@ def test_v4_beta_probe_prose_numbers_come_from_its_raw_file():
     recomputed from the committed probe records (docs/testbed/v4/beta_probe.json)."""
     from experiments import testbed_v4_beta as beta
     records = runs(beta.RESULTS)
-    assert len(records) == 34 and {r["code"]["diff"] for r in records} == {False}
+    assert {r["code"]["diff"] for r in records} == {False} and len(records) == 60
+    records = [r for r in records if r["setting"] in ("v4-K4", "v4-K8")]   # the first design's
+    assert len(records) == 34
 
     def m(setting, key, which="a_at_c_rates"):
         return [r[key] for r in records if r["setting"] == setting and r["which"] == which]
@@ -311,6 +313,75 @@ def test_v4_beta_probe_prose_numbers_come_from_its_raw_file():
             m(s, "key_credit_beta0", "mpo_beta0"))
     assert (f"the correction at the key runs against its verdict ({mean(K4, 'merit')}, "
             f"{mean(K8, 'merit')} at K = 4, 8)") in page("docs/testbed.md")
+
+
+def test_v4_causal_arms_prose_numbers_come_from_their_raw_files():
+    """docs/records/testbed/v4-beta-probe.md's "What the causal arms found" and docs/testbed.md's
+    two lines on them: every number from beta_arm.json, the v4 records and beta_probe.json."""
+    from experiments import testbed_v4 as v4, testbed_v4_beta as beta
+    arm, added, planned = launcher.load_records(beta.ARM_RESULTS), v4.load(added=True), v4.load()
+    probes = runs(beta.RESULTS)
+    lam1, last = "v4-K4-lamintra1", "v4-K4-last"
+    assert sorted({(r["setting"], r["variant"], len([x for x in arm if x["setting"] == r["setting"]
+                                                     and x["variant"] == r["variant"]]))
+                   for r in arm}) == [(lam1, "mpo", 10), (lam1, "mpo_beta0", 10),
+                                      (last, "mpo", 3), (last, "mpo_beta0", 3)]
+
+    def by(rs, **match):
+        return {r["seed"]: r["final"] for r in rs if all(r.get(k) == v for k, v in match.items())}
+    values = {"A1": by(arm, setting=lam1, variant="mpo"),
+              "C1": by(arm, setting=lam1, variant="mpo_beta0"),
+              "A": by(added, setting="v4-K4"), "C": by(planned, setting="v4-K4", variant="mpo_beta0"),
+              "AL": by(arm, setting=last, variant="mpo"),
+              "CL": by(arm, setting=last, variant="mpo_beta0")}
+    values["d1"] = {k: values["A1"][k] - values["C1"][k] for k in v4.SEEDS}
+    values["d"] = {k: values["A"][k] - values["C"][k] for k in v4.SEEDS}
+    pairs = [("A1", "C1"), ("A", "C"), ("d1", "d"), ("A1", "A"), ("C1", "C"), ("A1", "C"),
+             ("AL", "CL")]
+    t = {(c["row"], c["ref"]): c for c in sig.paired_family(values, pairs, holm_p=False)}
+
+    def d(row, ref, p=False):
+        c = t[(row, ref)]
+        return (f"{sig.signed(c['mean'])} ± {100 * c['se']:.1f}"
+                + (f" (p {sig.fmt_p(c['p'])})" if p else ""))
+
+    def ms(key):
+        return sig.mean_se(list(values[key].values()))
+
+    def probe(setting, key, which="a_at_c_rates", se=False):
+        xs = [r[key] for r in probes if r["setting"] == setting and r["which"] == which]
+        text = sig.mean_se(xs, 1.0, 2) if se else f"{statistics.mean(xs):.2f}"
+        return text.replace("-", "−")
+
+    record = page("docs/records/testbed/v4-beta-probe.md")
+    for sentence in [
+        f"A − C is {d('A1', 'C1')} (p {sig.fmt_p(t[('A1', 'C1')]['p'])}) against "
+        f"{d('A', 'C')} at λ_intra = 0.95",
+        f"the difference of differences is {d('d1', 'd')}, p {sig.fmt_p(t[('d1', 'd')]['p'])}",
+        f"(merit {probe(lam1, 'merit', se=True)}, against {probe('v4-K4', 'merit')})",
+        f"({probe(lam1, 'after_vs_verdict', se=True)}, against "
+        f"{probe('v4-K4', 'after_vs_verdict')})",
+        f"({probe(lam1, 'key_credit_beta1')}, {probe(lam1, 'key_credit_beta0')})",
+        f"A scored {ms('A1')} at λ_intra = 1 and {ms('A')} at 0.95 (paired {d('A1', 'A')})",
+        f"C fell from {ms('C')} to {ms('C1')} (paired {d('C1', 'C')}, p "
+        f"{sig.fmt_p(t[('C1', 'C')]['p'])})",
+        f"A stays {d('A1', 'C').lstrip('−')} below C at 0.95",
+        f"(3 seeds, a task not learned: A − C {d('AL', 'CL')} at chance)",
+        f"(the last key word, at {probe(last, 'key_place')} of its turn)",
+        f"(merit {probe(last, 'merit')} on A's critic, {probe(last, 'merit', 'mpo_beta0')} on C's)",
+        f"at least β = 0's ({probe(last, 'key_credit_beta1')} against "
+        f"{probe(last, 'key_credit_beta0')})",
+        f"What the data support is β = 0 ({ms('C').split(' ±')[0]}, the best MPO here)",
+    ]:
+        assert sentence in record, sentence
+    assert t[("d1", "d")]["p"] > sig.ALPHA and t[("d1", "d")]["mean"] > 0.08
+    assert abs(float(probe(lam1, "key_credit_beta1")) - float(probe(lam1, "key_credit_beta0"))
+               ) <= 0.03 + 1e-9
+    testbed = page("docs/testbed.md")
+    assert (f"A − C {d('A1', 'C1')} against {d('A', 'C').split(' ±')[0]} (difference "
+            f"{d('d1', 'd')}, p {sig.fmt_p(t[('d1', 'd')]['p'])}, predicted and not significant), "
+            f"but by C falling, not A rising ({ms('A1').split(' ±')[0]} against "
+            f"{ms('A').split(' ±')[0]})") in testbed
 
 
 def test_why_section_prose_numbers_come_from_its_raw_file():
