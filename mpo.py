@@ -175,6 +175,9 @@ def mae_projection(adv_turn: torch.Tensor, adv_intra: torch.Tensor, turn_ids: to
     A^MAE_{t,i} = A^turn_t + β (A^intra_{t,i} − mean_i A^intra_{t,i}), the least-squares
     projection of β·A^intra_t onto {w : mean_i w_i = A^turn_t} (§6; docs/equations.md derives
     it): each turn keeps A^turn_t as its mean, and its tokens their relative local differences.
+    β > 0 ranks a turn's tokens by where the critic's values move: if they move at the turn's end
+    (the reply shows progress), late tokens gain and early ones lose, whatever each token did
+    (testbed v4: against an early decisive token; docs/records/testbed/v4-beta-probe.md).
     Args: adv_turn (B, K); adv_intra (B, T); turn_ids (B, T); beta β >= 0. Returns: (B, T).
     """
     if validate:
