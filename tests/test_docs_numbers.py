@@ -382,6 +382,8 @@ def test_v4_causal_arms_prose_numbers_come_from_their_raw_files():
             f"{d('d1', 'd')}, p {sig.fmt_p(t[('d1', 'd')]['p'])}, predicted and not significant), "
             f"but by C falling, not A rising ({ms('A1').split(' ±')[0]} against "
             f"{ms('A').split(' ±')[0]})") in testbed
+    assert (f"A − C shrinks to {d('A1', 'C1')}, but by C falling (A {ms('A1').split(' ±')[0]} vs "
+            f"{ms('A').split(' ±')[0]})") in page("docs/results.md")
 
 
 def test_why_section_prose_numbers_come_from_its_raw_file():
