@@ -14,26 +14,16 @@ writes token by token. MPO assigns credit at both scales:
   (M8) critic loss          1/2 (V - R)^2, token mean, R = V_rollout + A^MAE or the multi-scale
                             λ-return G_{t,i} = V + A^intra + lam_intra^(L_t - i) lam A^turn_{t+1}
 
-then what a reader compares it with ((B1) PPO token GAE, (B2) GRPO, (B3) GSPO's sequence ratio)
-and the check of its premise on your own critic (Appendix C, `turn_value_structure`); below them
-the plumbing and the input checks. VAPO and SAO live in baselines.py, the training diagnostics
-in diagnostics.py. Eq. (20) is the paper's; (M1)-(B3) and § are docs/paper.md's labels.
-
-Symbols: lam = λ (turn GAE), lam_intra = λ_intra (intra-turn trace), beta = β (centred correction),
-delta = δ (TD residual), rho = ρ (ratio), eps = ε (clip), sg = stop-gradient; γ = 1 (the paper's).
-Dimensions: B trajectories (rows), T token positions, K turns (the most turns of any row).
-Layout: per-token tensors are (B, T); turn_ids[b, p] = k >= 0 on the tokens of row b's k-th
-assistant turn (contiguous, numbered 0, 1, 2, ...), -1 elsewhere (prompt, observation, padding);
-values[b, p] is V of the prefix *before* token p, rewards[b, p] the reward right after it.
-float64 stays float64, other dtypes compute in float32; `validate=False` skips the checks (host
-reads; docs/equations.md#conventions): the public functions check their input once, and
-`mpo_advantages` composes the steps above it with their checks off (one path, one check).
-
-Usage:
-    turn_ids = turn_ids_from_mask(action_mask)                 # (B, T)
-    rewards = outcome_rewards(scores, turn_ids)                # (B, T)
-    adv, ret = mpo_advantages(rewards, values, turn_ids)       # (B, T), (B, T)
-    loss, stats = policy_loss(logp, old_logp, adv, turn_ids)   # ratio_level="turn"
+then (B1) PPO token GAE, (B2) GRPO, (B3) GSPO's sequence ratio, the premise check on your critic
+(Appendix C, `turn_value_structure`), the plumbing and the input checks (VAPO, SAO: baselines.py;
+diagnostics: diagnostics.py). Eq. (20) is the paper's; (M1)-(B3) and § are docs/paper.md's.
+lam = λ, lam_intra = λ_intra, beta = β, delta = δ, rho = ρ, eps = ε, sg = stop-gradient; γ = 1.
+Tensors are (B, T): B rows, T positions; K = the most turns of any row. turn_ids[b, p] = k >= 0 on
+row b's k-th assistant turn (contiguous, numbered 0, 1, ...), -1 elsewhere; values[b, p] is V of
+the prefix *before* token p, rewards[b, p] the reward right after it. float64 stays float64,
+others compute in float32. Public functions check their input once (`validate=False` skips it,
+docs/equations.md#conventions); `mpo_advantages` runs the steps above it unchecked. Usage:
+turn_ids_from_mask -> outcome_rewards -> mpo_advantages -> policy_loss (+ value_loss); README.
 """
 from __future__ import annotations
 
@@ -55,17 +45,13 @@ _CLAMP = "a finite number > 0 (the clamp of a log-ratio before exp)"
 
 # --- From a trainer's batch to the paper's quantities ----------------------------------------
 def turn_ids_from_mask(action_mask: torch.Tensor) -> torch.Tensor:
-    """Turn ids from a 0/1 action mask: each maximal run of 1s is the next turn, -1 elsewhere.
-
-    verl and TRL mark multi-turn rollouts this way (1 = model token; 0 = prompt, tool, padding).
-    Example: [[0, 1, 1, 0, 0, 1, 0]] -> [[-1, 0, 0, -1, -1, 1, -1]].
-    Args: action_mask (B, T) bool or integer 0/1. Returns: turn_ids (B, T) int64.
-    """
+    """Turn ids (B, T) int64 from a 0/1 action mask (B, T), as verl and TRL mark multi-turn
+    rollouts: each maximal run of 1s is the next turn, -1 elsewhere.
+    Example: [[0, 1, 1, 0, 0, 1, 0]] -> [[-1, 0, 0, -1, -1, 1, -1]]."""
     _check_tensor("action_mask", action_mask)
-    if action_mask.dtype != torch.bool:
+    if (dtype := action_mask.dtype) != torch.bool:
         if action_mask.is_floating_point() or action_mask.is_complex():
-            raise TypeError("action_mask must be a bool or integer tensor, got "
-                            f"{action_mask.dtype}")
+            raise TypeError(f"action_mask must be a bool or integer tensor, got {dtype}")
         if bool(((action_mask != 0) & (action_mask != 1)).any()):
             raise ValueError("action_mask must hold only 0 and 1")
     act = action_mask.bool()
@@ -75,11 +61,8 @@ def turn_ids_from_mask(action_mask: torch.Tensor) -> torch.Tensor:
 
 
 def outcome_rewards(scores: torch.Tensor, turn_ids: torch.Tensor) -> torch.Tensor:
-    """Place the outcome reward R(τ) of each row on its last action token (§3: 1{t=T} R(τ)).
-
-    Example: scores = [1.0], turn_ids = [[-1, 0, 0, -1, 1, 1, -1]] -> [[0, 0, 0, 0, 0, 1, 0]].
-    Args: scores (B,) float, one per row; turn_ids (B, T) int64. Returns: rewards (B, T).
-    """
+    """Rewards (B, T) with each row's outcome R(τ) (scores, (B,)) on its last action token (§3:
+    1{t=T} R(τ)). Example: [1.0], [[-1, 0, 0, -1, 1, 1, -1]] -> [[0, 0, 0, 0, 0, 1, 0]]."""
     _check_turn_ids(turn_ids)
     _check_rows(turn_ids, scores=scores)
     _check_float("scores", scores)
@@ -94,33 +77,31 @@ def outcome_rewards(scores: torch.Tensor, turn_ids: torch.Tensor) -> torch.Tenso
 # --- (M1) Token TD residuals and (M2) their per-turn sums ------------------------------------
 def token_td_residuals(rewards: torch.Tensor, values: torch.Tensor, turn_ids: torch.Tensor,
                        *, validate: bool = True) -> torch.Tensor:
-    """(M1): token TD residuals δ_{t,i} = r_{t,i} + V_next − V_{t,i} (γ = 1).
-
+    """(M1): token TD residuals δ_{t,i} = r_{t,i} + V_next − V_{t,i} (γ = 1), (B, T).
     V_next is V at the row's next *action* token: V_{t,i+1} inside a turn, V_{t+1,1} (after the
-    observation) on a turn's last token, 0 after the row's last; δ = 0 off action positions.
-    Args: rewards, values (B, T) float; turn_ids (B, T) int64. Returns: delta (B, T).
-    """
+    observation) on a turn's last token, 0 after the row's last; δ = 0 off action positions."""
     if validate:
         _validate_tokens(turn_ids, rewards=rewards, values=values)
     return _td(rewards, values, turn_ids >= 0)                                # (B, T)
 
 
 def _td(rewards, values, act: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
-    """δ_p = r_p + γ V_next − V_p on the positions of act (V_next: at the next one), 0 elsewhere;
-    (M1) with γ = 1, and (B1)'s token residuals."""
-    dtype = _compute_dtype(values)
+    """δ_p = r_p + γ V_next − V_p on act (V_next: at the next act position), else 0: (M1), (B1)."""
+    dtype, (B, T) = _compute_dtype(values), act.shape
     v, r = _masked(values, act, dtype), _masked(rewards, act, dtype)          # (B, T)
-    return _masked(r + gamma * _next_action_value(v, act) - v, act, dtype)    # (B, T)
+    idx = torch.where(act, torch.arange(T, device=act.device).expand(B, T), T)   # T: "none"
+    first_from = torch.flip(torch.cummin(torch.flip(idx, [1]), dim=1).values, [1])  # first >= p
+    nxt = F.pad(first_from[:, 1:], (0, 1), value=T)                          # first > p
+    v_next = torch.gather(F.pad(v, (0, 1)), 1, nxt)                          # (B, T), 0 past end
+    return _masked(r + gamma * v_next - v, act, dtype)                        # (B, T)
 
 
 def turn_residual_sums(delta: torch.Tensor, turn_ids: torch.Tensor, num_turns: int | None = None,
                        *, validate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """(M2): turn residuals δ^turn_t = Σ_i δ_{t,i}: the turn's TD residual as one macro-action.
-
     With γ = 1 it telescopes (§3): Σ_i r_{t,i} + V_{t+1,1} − V_{t,1} (turn-start values only).
-    Args: delta (B, T); turn_ids (B, T) int64; num_turns K >= the most turns of any row (None:
-    read back, one host sync). Returns: delta_turn (B, K), 0 where absent; turn_mask (B, K) bool.
-    """
+    num_turns: K >= any row's turns (None: read back, one host sync). Returns delta_turn (B, K),
+    0 where absent, and turn_mask (B, K) bool."""
     if validate:
         _validate_tokens(turn_ids, num_turns, delta=delta)
     K = _num_turns(turn_ids) if num_turns is None else num_turns
@@ -134,11 +115,8 @@ def turn_residual_sums(delta: torch.Tensor, turn_ids: torch.Tensor, num_turns: i
 def turn_gae(delta_turn: torch.Tensor, turn_mask: torch.Tensor, lam: float,
              *, validate: bool = True) -> torch.Tensor:
     """(M3): turn-level GAE (§3), A^turn_t = Σ_k λ^k δ^turn_{t+k} = δ^turn_t + λ A^turn_{t+1}.
-
     λ is paid once per *turn*: crossing a 40-token turn costs one λ, token-level GAE λ^40 (§2).
-    Example: δ^turn = [0.2, 0.2, 0.3], λ = 0.8 -> A^turn = [0.552, 0.44, 0.3] (§5).
-    Args: delta_turn (B, K); turn_mask (B, K) bool; lam λ in [0, 1]. Returns: adv_turn (B, K).
-    """
+    (B, K) in and out. Example: δ^turn = [0.2, 0.2, 0.3], λ = 0.8 -> [0.552, 0.44, 0.3] (§5)."""
     if validate:
         [lam] = _check_coefficients(lam=lam)
         _check_tensor("delta_turn", delta_turn)
@@ -152,11 +130,8 @@ def turn_gae(delta_turn: torch.Tensor, turn_mask: torch.Tensor, lam: float,
 
 def intra_turn_traces(delta: torch.Tensor, turn_ids: torch.Tensor, lam_intra: float,
                       *, validate: bool = True) -> torch.Tensor:
-    """(M4): intra-turn traces (§3), A^intra_{t,i} = Σ_{j>=i} λ_intra^(j−i) δ_{t,j} in turn t.
-
-    The local signal inside turn t; it never crosses a turn boundary (the turn GAE does that).
-    Args: delta (B, T); turn_ids (B, T) int64; lam_intra λ_intra in [0, 1]. Returns: (B, T).
-    """
+    """(M4): intra-turn traces (§3), A^intra_{t,i} = Σ_{j>=i} λ_intra^(j−i) δ_{t,j} in turn t,
+    (B, T): the local signal inside a turn, never crossing its boundary (turn GAE does that)."""
     if validate:
         [lam_intra] = _check_coefficients(lam_intra=lam_intra)
         _validate_tokens(turn_ids, delta=delta)
@@ -171,15 +146,12 @@ def intra_turn_traces(delta: torch.Tensor, turn_ids: torch.Tensor, lam_intra: fl
 def mae_projection(adv_turn: torch.Tensor, adv_intra: torch.Tensor, turn_ids: torch.Tensor,
                    beta: float, *, validate: bool = True) -> torch.Tensor:
     """Eq. (20): the centred intra-turn correction (MAE projection) of the turn-level credit.
-
-    A^MAE_{t,i} = A^turn_t + β (A^intra_{t,i} − mean_i A^intra_{t,i}), the least-squares
-    projection of β·A^intra_t onto {w : mean_i w_i = A^turn_t} (§6; docs/equations.md derives
-    it): each turn keeps A^turn_t as its mean, and its tokens their relative local differences.
-    β > 0 ranks a turn's tokens by where the critic's values move: if they move at the turn's end
-    (the reply shows progress), late tokens gain and early ones lose, whatever each token did
-    (testbed v4: against an early decisive token; docs/records/testbed/v4-beta-probe.md).
-    Args: adv_turn (B, K); adv_intra (B, T); turn_ids (B, T); beta β >= 0. Returns: (B, T).
-    """
+    A^MAE_{t,i} = A^turn_t + β (A^intra_{t,i} − mean_i A^intra_{t,i}), (B, T) from (B, K) and
+    (B, T): the least-squares projection of β·A^intra_t onto {w : mean_i w_i = A^turn_t} (§6;
+    docs/equations.md): each turn keeps its mean A^turn_t, its tokens their local differences.
+    β > 0 ranks a turn's tokens by where the critic's values move: if at the turn's end (the
+    reply shows progress), late tokens gain, early ones lose, whatever each did (testbed v4:
+    against an early decisive token; docs/records/testbed/v4-beta-probe.md)."""
     if validate:
         [beta] = _check_coefficients(beta=beta)
         _check_rows(turn_ids, _validate_tokens(turn_ids, adv_intra=adv_intra), adv_turn=adv_turn)
@@ -196,11 +168,8 @@ def multiscale_lambda_returns(values: torch.Tensor, adv_turn: torch.Tensor,
                               adv_intra: torch.Tensor, turn_ids: torch.Tensor, lam: float,
                               lam_intra: float, *, validate: bool = True) -> torch.Tensor:
     """Critic target G_{t,i} = V_{t,i} + A^intra_{t,i} + λ_intra^(L_t − i) · λ · A^turn_{t+1}.
-
     The λ_intra-return inside turn t, bootstrapped at its end from V_{t+1,1} + λ A^turn_{t+1}
-    (A^turn past the last turn is 0); independent of β. docs/equations.md, choice 1.
-    Args: values, adv_intra (B, T); adv_turn (B, K); turn_ids (B, T); lam, lam_intra in [0, 1].
-    """
+    (0 past the last turn); independent of β (docs/equations.md, choice 1). (B, T)."""
     if validate:
         lam, lam_intra = _check_coefficients(lam=lam, lam_intra=lam_intra)
         K = _validate_tokens(turn_ids, values=values, adv_intra=adv_intra)
@@ -219,13 +188,10 @@ def multiscale_lambda_returns(values: torch.Tensor, adv_turn: torch.Tensor,
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     """(M5): standardise x over the positions of mask, (x − mean) / sqrt(var + eps), 0 off mask;
     var is the unbiased (n − 1) variance over the batch's masked positions, as verl's (0 if one)."""
-    mask = mask.bool()
-    x = torch.where(mask, x, torch.zeros_like(x))                 # junk off the mask: ignored
-    n = torch.count_nonzero(mask)
-    mean = x.sum() / n.clamp(min=1)
+    mask, n = mask.bool(), torch.count_nonzero(mask)
+    mean = torch.where(mask, x, torch.zeros_like(x)).sum() / n.clamp(min=1)   # junk off: ignored
     centred = torch.where(mask, x - mean, torch.zeros_like(x))
-    var = centred.pow(2).sum() / (n - 1).clamp(min=1)
-    return centred * torch.rsqrt(var + eps)
+    return centred * torch.rsqrt(centred.pow(2).sum() / (n - 1).clamp(min=1) + eps)
 
 
 def mpo_advantages(rewards: torch.Tensor, values: torch.Tensor, turn_ids: torch.Tensor,
@@ -234,14 +200,11 @@ def mpo_advantages(rewards: torch.Tensor, values: torch.Tensor, turn_ids: torch.
                    critic_target: str = "mae",
                    validate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Algorithm 1: MPO advantages, (M1) → (M2) → (M3), (M4) → Eq. (20) → (M5) (§5).
-
-    Defaults: the paper's reference setting (λ, λ_intra, β) = (0.80, 0.95, 1.00) (§7); β = 0 is
-    the "turn GAE only" ablation. Examples: tests/api_examples.md.
-    Args: rewards, values (B, T) float (see `outcome_rewards`); turn_ids (B, T) int64; num_turns:
-    a bound on any row's turn count (saves a host sync); critic_target: what `returns` holds, "mae"
-    (values + A^MAE before whitening) or "lambda_return" (`multiscale_lambda_returns`, train_min's).
-    Returns: advantages (B, T) A^MAE, whitened if `whiten`, and returns (B, T), 0 off turns.
-    """
+    Defaults: the paper's (λ, λ_intra, β) = (0.80, 0.95, 1.00) (§7); β = 0: "turn GAE only".
+    num_turns: a bound on any row's turns (saves a host sync); critic_target: what `returns`
+    holds, "mae" (values + A^MAE before whitening) or "lambda_return" (`multiscale_lambda_returns`,
+    train_min's). Returns A^MAE (whitened if `whiten`) and returns, (B, T), 0 off turns.
+    Examples: tests/api_examples.md."""
     if critic_target not in CRITIC_TARGETS:
         raise ValueError(f"critic_target must be one of {CRITIC_TARGETS}, got {critic_target!r}")
     _refuse_grad(_TARGETS.format("mpo_advantages"), rewards=rewards, values=values)
@@ -260,29 +223,23 @@ def mpo_advantages(rewards: torch.Tensor, values: torch.Tensor, turn_ids: torch.
     else:                                                                         # G_{t,i}
         returns = multiscale_lambda_returns(values, adv_turn, adv_intra, turn_ids, lam,
                                             lam_intra, validate=False)
-    if whiten:
-        adv = masked_whiten(adv, act)                                             # (M5)
-    return adv, returns
+    return (masked_whiten(adv, act) if whiten else adv), returns                  # (M5)
 
 
 # --- (M6) The turn ratio with a stop-gradient, and (M7) the clipped surrogate ----------------
 def _own_token_ratio(log_ratio: torch.Tensor, rho: torch.Tensor) -> torch.Tensor:
-    """Value rho, derivative rho_{b,p} in ℓ_{b,p} = log_ratio_{b,p} only: sg(rho_{b,p}) ·
-    exp(ℓ_{b,p} − sg(ℓ_{b,p})) (exp(0) = 1): the stop-gradient of (M6) and of GSPO-token."""
+    """sg(ρ) · exp(ℓ − sg(ℓ)), ℓ = log_ratio: value ρ, gradient ρ in ℓ (its own token) only."""
     return rho.detach() * torch.exp(log_ratio - log_ratio.detach())
 
 
 def turn_ratio(logp: torch.Tensor, old_logp: torch.Tensor, turn_ids: torch.Tensor,
                *, max_log_ratio: float = 20.0, validate: bool = True) -> torch.Tensor:
     """(M6): the stop-gradient turn ratio (§3), ρ̃_{t,i} = ρ_{t,i} · sg(Π_{j≠i} ρ_{t,j}).
-
     Forward: every token of turn t carries ρ_t = exp Σ_j (logp − old_logp), the ratio of the
     turn the environment received. Backward: ∂ρ̃_{t,i}/∂logp_{t,i} = ρ_t, nothing to the
     turn's other tokens, so Eq. (20)'s centred corrections survive (a shared differentiable ρ_t
-    cancels them, §3). The clamp bounds ρ, not the loss (docs/equations.md, choice 4).
-    Args: logp, old_logp (B, T) current / behaviour log-probs; turn_ids (B, T) int64;
-    max_log_ratio: clamp of a turn's log-ratio sum. Returns: ratio (B, T), ρ̃ on turns, else 1.
-    """
+    cancels them, §3). max_log_ratio clamps a turn's log-ratio sum: it bounds ρ, not the loss
+    (docs/equations.md, choice 4). Returns ratio (B, T): ρ̃ on turns, 1 elsewhere."""
     if validate:
         [max_log_ratio] = _check_coefficients(max_log_ratio=max_log_ratio)
         _validate_tokens(turn_ids, logp=logp, old_logp=old_logp)
@@ -300,16 +257,13 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
                 num_tokens: int | torch.Tensor | None = None, max_log_ratio: float = 20.0,
                 validate: bool = True) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(M7): the clipped surrogate, L = (1/N) Σ max(−ρA, −clip(ρ, 1−ε, 1+ε_high) A).
-
-    A token mean over N action tokens; ratio_level picks ρ: "turn" ρ̃ of `turn_ratio` (MPO);
-    "token" exp(logp − old_logp) (PPO, "MPO w/ token IS"); "sequence" (B3) GSPO-token with
-    s_b = exp(mean of the row's log-ratios); all own-token gradients (docs/equations.md, 3-4).
-    Args: logp, old_logp, advantages (B, T); turn_ids (B, T) int64; clip_eps ε (0.2; `GSPO_CLIP`
-    for "sequence"); clip_eps_high ε_high (DAPO, default ε); dual_clip c > 1 caps a term with
-    A < 0 at c·|A| (Ye et al., 2020); num_tokens N (the whole batch's, for micro-batches).
-    Returns: loss (0-dim), stats (clip_frac, turn_clip_frac, approx_kl, ratio_mean, ratio_max,
-    turn_log_ratio_std: the spread of log ρ_t over turns, 0 where A and B get one gradient).
-    """
+    A token mean over N action tokens (num_tokens: the whole batch's, for micro-batches);
+    ratio_level picks ρ: "turn" ρ̃ of `turn_ratio` (MPO); "token" exp(logp − old_logp) (PPO,
+    "MPO w/ token IS"); "sequence" (B3) GSPO-token, s_b = exp(mean of the row's log-ratios); all
+    own-token gradients (docs/equations.md, 3-4). clip_eps ε: 0.2 (`GSPO_CLIP` for "sequence");
+    clip_eps_high: DAPO's ε_high (default ε); dual_clip c > 1 caps a term with A < 0 at c·|A|.
+    Returns loss (0-dim) and stats: clip_frac, turn_clip_frac, approx_kl, ratio_mean, ratio_max,
+    turn_log_ratio_std (the spread of log ρ_t over turns; 0 where A and B get one gradient)."""
     if ratio_level not in RATIO_LEVELS:
         raise ValueError(f"ratio_level must be one of {RATIO_LEVELS}, got {ratio_level!r}")
     if clip_eps is None and ratio_level == "sequence":                       # GSPO's own range
@@ -321,9 +275,9 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
                             max_log_ratio=max_log_ratio)
         _check_num_tokens(num_tokens, turn_ids >= 0)
     _refuse_grad("policy_loss differentiates logp only", old_logp=old_logp, advantages=advantages)
-    eps_low = _as_float(clip_eps)
+    eps_low, m = _as_float(clip_eps), _as_float(max_log_ratio)
     eps_high = eps_low if clip_eps_high is None else _as_float(clip_eps_high)
-    dtype, act, m = _compute_dtype(logp), turn_ids >= 0, _as_float(max_log_ratio)
+    dtype, act = _compute_dtype(logp), turn_ids >= 0
     log_ratio = _masked(logp.to(dtype) - old_logp.to(dtype), act, dtype)      # (B, T)
     rho_token = torch.exp(log_ratio.detach().clamp(-m, m))                    # (B, T) ρ_{t,i}
     rho_turn = turn_ratio(logp, old_logp, turn_ids, max_log_ratio=m, validate=False)  # (M6)
@@ -345,13 +299,17 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
         first = _turn_starts(turn_ids)                                        # a turn's 1st token
         outside = (rho_turn < 1 - eps_low) | (rho_turn > 1 + eps_high)        # bool: no grad
         ratio_act = _masked(ratio.detach(), act, dtype)
+        n_first = torch.count_nonzero(first).to(dtype)                       # turns in the batch
+        log_rho = torch.where(first, rho_turn.detach().log(), 0)              # log ρ_t, once each
+        dev = torch.where(first, log_rho - log_rho.sum() / n_first.clamp(min=1), 0)
         stats = {"clip_frac": torch.count_nonzero(act & (term != unclipped)).to(dtype) / n_act,
                  "turn_clip_frac": (torch.count_nonzero(first & outside).to(dtype)
                                     / torch.count_nonzero(first).clamp(min=1)),
                  "approx_kl": _masked(rho_token - 1 - log_ratio.detach(), act, dtype).sum() / n_act,
                  "ratio_mean": ratio_act.sum() / n_act,
                  "ratio_max": ratio_act.amax() if ratio_act.numel() else ratio_act.new_zeros(()),
-                 "turn_log_ratio_std": _spread(rho_turn.detach().log(), first)}
+                 "turn_log_ratio_std": torch.where(   # sample std over turns; 0 below 2
+                     n_first > 1, (dev.square().sum() / (n_first - 1).clamp(min=1)).sqrt(), 0)}
     return loss, stats
 
 
@@ -359,12 +317,9 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
                turn_ids: torch.Tensor, clip: float | None = None, *,
                num_tokens: int | torch.Tensor | None = None, validate: bool = True) -> torch.Tensor:
-    """(M8): critic loss, ½ (1/N) Σ_action (V − R)², optionally value-clipped as in PPO.
-
-    With clip = c the per-token error is max((V − R)², (V_clip − R)²), where V_clip = V_old +
-    clamp(V − V_old, −c, c). N as in `policy_loss`; R: the `returns` of `mpo_advantages`.
-    Args: values, old_values, returns (B, T) float; turn_ids (B, T) int64. Returns: 0-dim loss.
-    """
+    """(M8): critic loss (0-dim), ½ (1/N) Σ_action (V − R)², R the `returns` of `mpo_advantages`,
+    N as in `policy_loss`. With clip = c (PPO's value clip) the per-token error is
+    max((V − R)², (V_clip − R)²), V_clip = V_old + clamp(V − V_old, −c, c)."""
     if validate:
         _validate_tokens(turn_ids, values=values, old_values=old_values, returns=returns)
         [clip] = _check_coefficients(clip=clip)
@@ -375,30 +330,25 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     if clip is not None:
         old = _masked(old_values, act, dtype)
         err = torch.maximum(err, (old + (v - old).clamp(-clip, clip) - R) ** 2)
-    n = (torch.count_nonzero(act) if num_tokens is None
-         else torch.as_tensor(num_tokens, device=values.device))
-    return 0.5 * _masked(err, act, dtype).sum() / n.clamp(min=1)
+    n = torch.count_nonzero(act) if num_tokens is None else torch.as_tensor(num_tokens)
+    return 0.5 * _masked(err, act, dtype).sum() / n.to(values.device).clamp(min=1)
 
 
 # --- A turn-boundary critic (§12): values at turn starts only --------------------------------
 def turn_start_positions(turn_ids: torch.Tensor, num_turns: int | None = None, *,
                          validate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """Where a turn-boundary critic is read and trained: each turn's first token.
-
-    V_{t,1} is the value of the prefix before that token (it ends with the observation), the only
-    value turn GAE needs: δ^turn_t telescopes to Σ_i r_{t,i} + V_{t+1,1} − V_{t,1} (M2).
-    Args: turn_ids (B, T) int64; num_turns K >= the most turns of any row (None: read back).
-    Returns: positions (B, K) int64 (0 where row b has no turn k) and turn_mask (B, K) bool.
-    """
+    """Where a turn-boundary critic is read and trained: each turn's first token, whose V_{t,1}
+    (the prefix ends with the observation) is all turn GAE needs: (M2) telescopes to
+    Σ_i r_{t,i} + V_{t+1,1} − V_{t,1}. num_turns as in `turn_residual_sums`. Returns positions
+    (B, K) int64 (0 where row b has no turn k) and turn_mask (B, K) bool."""
     if validate:
         _validate_tokens(turn_ids, num_turns)
     K = _num_turns(turn_ids) if num_turns is None else num_turns
     B, T = turn_ids.shape
     starts = _turn_starts(turn_ids)                                           # (B, T)
-    pos = torch.arange(T, device=turn_ids.device).expand(B, T)
-    idx = torch.where(starts, turn_ids, K)                                   # others -> spare
-    out = torch.zeros(B, K + 1, dtype=torch.long, device=turn_ids.device)
-    out = out.scatter_(1, idx, torch.where(starts, pos, 0))[:, :K]           # (B, K)
+    pos = torch.where(starts, torch.arange(T, device=turn_ids.device).expand(B, T), 0)
+    out = torch.zeros(B, K + 1, dtype=torch.long, device=turn_ids.device)    # K: a spare column
+    out = out.scatter_(1, torch.where(starts, turn_ids, K), pos)[:, :K]      # (B, K)
     mask = _per_turn_sum(starts.long(), turn_ids, K) > 0                      # (B, K)
     return out, mask
 
@@ -406,16 +356,10 @@ def turn_start_positions(turn_ids: torch.Tensor, num_turns: int | None = None, *
 def spread_turn_values(values_turn: torch.Tensor, turn_ids: torch.Tensor, *,
                        validate: bool = True) -> torch.Tensor:
     """A turn-boundary critic's V_{t,1} (B, K) on every token of turn t (B, T), 0 off turns: the
-    `values` it hands `mpo_advantages`.
-
-    With them (M1)'s δ_{t,i} vanish inside a turn and the turn's last token carries δ^turn_t, so
-    (M2)-(M3) give exactly the turn GAE of these values, while (M4) becomes the fixed profile
-    λ_intra^(L_t − i) δ^turn_t, a function of the position alone: Eq. (20) with β > 0 would move
-    credit toward each turn's end whatever its tokens did. Use β = 0 (train_min's --critic turn
-    refuses β > 0). The critic's target is then the turn λ-return V_{t,1} + A^turn_t, the
-    `returns` of `mpo_advantages(..., beta=0, critic_target="mae")` (the λ_intra-return of
-    "lambda_return" would shrink it by λ_intra^(L_t − 1) at a turn's start).
-    """
+    `values` it hands `mpo_advantages`. (M2)-(M3) then give the turn GAE of these values, but (M4)
+    is the fixed profile λ_intra^(L_t − i) δ^turn_t (position alone): use β = 0 (train_min's
+    --critic turn refuses β > 0), and as target the turn λ-return V_{t,1} + A^turn_t, the `returns`
+    of `mpo_advantages(..., beta=0, critic_target="mae")` ("lambda_return" shrinks it)."""
     if validate:
         _check_rows(turn_ids, _check_turn_ids(turn_ids), values_turn=values_turn)
         _check_float("values_turn", values_turn)
@@ -433,13 +377,10 @@ def _token_trace(delta: torch.Tensor, act: torch.Tensor, decay) -> torch.Tensor:
 def token_gae(rewards: torch.Tensor, values: torch.Tensor, action_mask: torch.Tensor,
               lam: float = 0.95, gamma: float = 1.0, whiten: bool = True,
               *, validate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B1): PPO token GAE, A_i = δ_i + γλ A_next, δ_i = r_i + γ V_next − V_i.
-
-    "next" is the next action token (observations skipped, as verl's multi-turn GAE): every
-    generated token costs one γλ, so credit crossing a turn of L tokens decays by λ^L (§2).
-    Args: rewards, values (B, T) float; action_mask (B, T) bool or 0/1; lam, gamma in [0, 1].
-    Returns: advantages (whitened if `whiten`) and returns = values + A, (B, T), 0 off the mask.
-    """
+    """(B1): PPO token GAE, A_i = δ_i + γλ A_next, δ_i = r_i + γ V_next − V_i, "next" the next
+    action token (observations skipped, as verl's multi-turn GAE): every generated token costs
+    one γλ, so credit crossing a turn of L tokens decays by λ^L (§2). action_mask: (B, T) 0/1.
+    Returns advantages (whitened if `whiten`) and returns = values + A, (B, T), 0 off the mask."""
     _refuse_grad(_TARGETS.format("token_gae"), rewards=rewards, values=values)
     if validate:
         lam, gamma = _check_coefficients(lam=lam, gamma=gamma)
@@ -448,20 +389,15 @@ def token_gae(rewards: torch.Tensor, values: torch.Tensor, action_mask: torch.Te
     delta = _td(rewards, values, act, gamma)                                  # (B, T)
     adv = _token_trace(delta, act, gamma * lam)                               # (B, T)
     returns = _masked(values.to(adv.dtype) + adv, act, adv.dtype)
-    if whiten:
-        adv = masked_whiten(adv, act)
-    return adv, returns
+    return (masked_whiten(adv, act) if whiten else adv), returns
 
 
 def grpo_advantages(scores: torch.Tensor, group_ids: torch.Tensor, turn_ids: torch.Tensor,
                     eps: float = 1e-6, scale: bool = True, *,
                     validate: bool = True) -> torch.Tensor:
-    """(B2): GRPO, A_b = (R_b − mean_g R) / (std_g R + eps), broadcast to row b's action tokens.
-
-    g: the rollouts sharing group_ids[b] (one prompt); std unbiased (torch.std); a group of one
-    gets 0; scale=False drops the division (Dr. GRPO); one value per row, sequence-level (§2).
-    Args: scores (B,) float; group_ids (B,) int; turn_ids (B, T) int64. Returns: (B, T).
-    """
+    """(B2): GRPO, A_b = (R_b − mean_g R) / (std_g R + eps) on row b's action tokens, (B, T):
+    g the rollouts sharing group_ids[b] (B,), std unbiased; a group of one gets 0; scale=False
+    drops the division (Dr. GRPO). One value per row, sequence-level (§2)."""
     if validate:
         _check_turn_ids(turn_ids)
         _check_rows(turn_ids, scores=scores, group_ids=group_ids)
@@ -469,24 +405,21 @@ def grpo_advantages(scores: torch.Tensor, group_ids: torch.Tensor, turn_ids: tor
             raise TypeError(f"group_ids must be an integer tensor, got {group_ids.dtype}")
         _check_float("scores", scores)
     dtype = _compute_dtype(scores)
-    R = scores.to(dtype)
+    R = scores.to(dtype)                                                       # (B,)
     same = (group_ids[:, None] == group_ids[None, :]).to(dtype)               # (B, B)
     n = same.sum(dim=1)                                                        # (B,)
     mean = same @ R / n                                                        # (B,)
     dev2 = (R[None, :] - mean[:, None]) ** 2              # (B, B) centred first: no cancellation
     std = torch.sqrt((same * dev2).sum(dim=1) / (n - 1).clamp(min=1))          # (B,)
-    adv = R - mean
-    if scale:
-        adv = adv / (std + eps)
-    adv = torch.where(n > 1, adv, torch.zeros_like(adv))                       # (B,)
+    adv = (R - mean) / (std + eps) if scale else R - mean                      # (B,)
+    adv = torch.where(n > 1, adv, torch.zeros_like(adv))                       # one: 0
     return _masked(adv[:, None].expand(turn_ids.shape), turn_ids >= 0, dtype)  # (B, T)
 
 
 # --- MPO's premise on your critic: Appendix C's turn structure (§1, §3, §9) ------------------
 # The paper's Appendix C numbers (§1, §3): 2,048 trajectories over 8 checkpoints, 16,323 turns.
-PAPER_TURN_VALUE_STRUCTURE = {
-    "between_share_token_median": 0.895, "between_share_equal_median": 0.902,
-    "between_exceeds_within_frac": 0.938, "boundary_share_sq_changes": 0.092,
+PAPER_TURN_VALUE_STRUCTURE = {"between_share_token_median": 0.895, "between_share_equal_median":
+    0.902, "between_exceeds_within_frac": 0.938, "boundary_share_sq_changes": 0.092,
     "boundary_jump_exceeds_span_frac": 0.224, "n_trajectories": 2048, "n_turns": 16323}
 
 
@@ -508,16 +441,13 @@ def _row_value_structure(v: torch.Tensor, t: torch.Tensor, K: int) -> tuple:
 
 
 def turn_value_structure(values, turn_ids) -> dict[str, float]:
-    """The paper's Appendix C statistics: do the critic's values vary mainly between turns?
-
-    The five shares of §1 and §3 over rows with >= 2 turns and non-constant values, and the counts
-    n_trajectories, n_turns, n_single_turn, n_constant; the paper's: `PAPER_TURN_VALUE_STRUCTURE`.
-    values, turn_ids: (B, T), or lists of batches, pooled. docs/equations.md, choice 13.
-    """
+    """The paper's Appendix C statistics: do the critic's values vary mainly between turns? The
+    five shares of §1 and §3 over rows with >= 2 turns and non-constant values, and the counts
+    n_trajectories, n_turns, n_single_turn, n_constant (the paper's: `PAPER_TURN_VALUE_STRUCTURE`).
+    values, turn_ids: (B, T), or lists of batches, pooled. docs/equations.md, choice 13."""
     pooled = isinstance(values, (list, tuple)), isinstance(turn_ids, (list, tuple))
     if pooled[0] != pooled[1] or (pooled[0] and len(values) != len(turn_ids)):
-        raise ValueError("values and turn_ids must both be tensors, or both lists of as many "
-                         "batches")
+        raise ValueError("values and turn_ids: both tensors, or both lists of as many batches")
     rows, n_single, n_constant = [], 0, 0
     for V, ids in (zip(values, turn_ids) if pooled[0] else [(values, turn_ids)]):
         _validate_tokens(ids, values=V)
@@ -531,13 +461,8 @@ def turn_value_structure(values, turn_ids) -> dict[str, float]:
             elif K >= 2:
                 rows.append((K, _row_value_structure(v, t, K)))
     cols = list(zip(*[r for _, r in rows])) or [()] * 6
-
-    def median(xs):                 # the usual median: the mean of the two middle values if even
-        return statistics.median(xs) if xs else math.nan
-
-    def frac(xs):
-        return sum(xs) / len(xs) if xs else math.nan
-
+    median = statistics.median if rows else (lambda xs: math.nan)   # the mean of 2 middle ones
+    frac = (lambda xs: sum(xs) / len(xs)) if rows else (lambda xs: math.nan)
     sq_all = sum(cols[5])
     return {"between_share_token_median": median(cols[0]),
             "between_share_equal_median": median(cols[1]),
@@ -552,7 +477,7 @@ def turn_value_structure(values, turn_ids) -> dict[str, float]:
 def reverse_scan(b: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
     """Solve x_i = b_i + a_i * x_{i+1} (x past the end = 0) along the last dimension: every GAE
     here (b the residual, a the decay from i to i + 1), by recursive doubling in ceil(log2 n)
-    steps (docs/equations.md, choice 10). Example: b = [1, 1, 1], a = [.5, .5, .5] -> [1.75, 1.5, 1]."""
+    steps (docs/equations.md, choice 10). Example: b = [1, 1, 1], a = .5 -> [1.75, 1.5, 1]."""
     x, a = b.clone(), a.expand_as(b).clone()
     n, d = b.shape[-1], 1
     while d < n:
@@ -580,16 +505,6 @@ def _gather_turn(x_turn: torch.Tensor, turn_ids: torch.Tensor) -> torch.Tensor:
     return torch.gather(F.pad(x_turn, (0, 1)), 1, idx)                       # (B, T)
 
 
-def _next_action_value(v: torch.Tensor, act: torch.Tensor) -> torch.Tensor:
-    """V_next[b, p] = v at the first action position after p in row b, 0 if there is none."""
-    B, T = act.shape
-    pos = torch.arange(T, device=act.device).expand(B, T)
-    idx = torch.where(act, pos, T)                                           # T means "none"
-    first_from = torch.flip(torch.cummin(torch.flip(idx, [1]), dim=1).values, [1])  # first >= p
-    nxt = F.pad(first_from[:, 1:], (0, 1), value=T)                          # first > p
-    return torch.gather(F.pad(v, (0, 1)), 1, nxt)                            # (B, T), 0 past end
-
-
 def _masked(x: torch.Tensor, act: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """x in dtype at action positions, 0 elsewhere (junk off the turns never enters a number)."""
     return torch.where(act, x.to(dtype), torch.zeros((), dtype=dtype, device=x.device))
@@ -598,13 +513,6 @@ def _masked(x: torch.Tensor, act: torch.Tensor, dtype: torch.dtype) -> torch.Ten
 def _turn_starts(turn_ids: torch.Tensor) -> torch.Tensor:
     """(B, T) bool: True on the first token of each run of equal non-negative ids (a turn)."""
     return (turn_ids >= 0) & (turn_ids != F.pad(turn_ids[:, :-1], (1, 0), value=-1))
-
-
-def _spread(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """The sample standard deviation of x[mask] (0 for fewer than 2), with no host sync."""
-    n = torch.count_nonzero(mask).to(x.dtype)
-    d = torch.where(mask, x - torch.where(mask, x, 0).sum() / n.clamp(min=1), 0)
-    return torch.where(n > 1, (d.square().sum() / (n - 1).clamp(min=1)).sqrt(), 0)
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -645,15 +553,15 @@ def _check_turn_ids(turn_ids) -> int:
     ids = turn_ids.long()
     if bool((ids < -1).any()):
         raise ValueError("turn_ids holds values below -1; use -1 for non-action positions")
-    # Valid iff every run of equal ids is numbered by its rank among the row's runs: a turn split
-    # by -1 (two runs, one id), a gap and a wrong order all give a run whose id is not its rank.
+    # Valid iff each run of equal ids is numbered by its rank: a split turn, a gap, a wrong order
+    # all give a run whose id is not its rank.
     starts = _turn_starts(ids)                                                # (B, T)
     bad = (ids >= 0) & (ids != torch.cumsum(starts, dim=1) - 1)               # id != run number
     if bool(bad.any()):
         b = int(bad.any(dim=1).nonzero()[0])          # the first bad row: say what is wrong
         runs = ids[b][starts[b]].tolist()
-        what = ("a turn is split by non-turn tokens (-1); turns must be contiguous"
-                if len(set(runs)) < len(runs) else
+        split = len(set(runs)) < len(runs)                    # one id on two runs
+        what = ("a turn is split by non-turn tokens (-1); turns must be contiguous" if split else
                 "turns must appear in order 0, 1, 2, ... in each row, without gaps")
         raise ValueError(f"turn_ids: {what} (row {b} has runs numbered {runs[:8]})")
     return _num_turns(ids)
@@ -661,9 +569,8 @@ def _check_turn_ids(turn_ids) -> int:
 
 def _validate_tokens(turn_ids, num_turns: int | None = None, *, layout: str = "turn_ids",
                      **tensors) -> int:
-    """The turn layout, a bound num_turns on its turn count, and each named (B, T) tensor: the
-    shape and device of turn_ids, floating point, finite at action positions; `rewards` also 0
-    off them. layout: what messages call turn_ids (token_gae's "action_mask"). Returns K."""
+    """The turn layout, num_turns >= its K, and each named tensor: turn_ids' shape and device,
+    float, finite on action positions (`rewards` 0 off them); layout names turn_ids. Returns K."""
     K, act = _check_turn_ids(turn_ids), turn_ids >= 0
     for name, x in tensors.items():
         _check_tensor(name, x, turn_ids, ref_name=layout)
@@ -678,17 +585,13 @@ def _validate_tokens(turn_ids, num_turns: int | None = None, *, layout: str = "t
 
 
 def _validate_action_mask(rewards, values, action_mask) -> None:
-    """token_gae's input (VAPO's too): a 0/1 action_mask, the shapes of rewards and values, then
-    `_validate_tokens`'s checks with the mask in the place of turn_ids."""
-    ids = turn_ids_from_mask(action_mask)                                      # checks the mask
-    _check_tensor("rewards", rewards, action_mask, ref_name="action_mask")
-    _check_tensor("values", values, action_mask, ref_name="action_mask")
+    """token_gae's (and VAPO's) input: a 0/1 action_mask, then `_validate_tokens`'s checks."""
+    ids = turn_ids_from_mask(action_mask)                    # checks the mask; same shape, device
     _validate_tokens(ids, layout="action_mask", rewards=rewards, values=values)
 
 
 def _check_rows(turn_ids, K: int | None = None, **tensors) -> None:
-    """Each named tensor holds one entry per row of turn_ids, (B,) on its device, or given K one
-    per turn, (B, >= K)."""
+    """Each named tensor is (B,) on turn_ids' device (one entry per row), or given K, (B, >= K)."""
     B = turn_ids.shape[0]
     for name, x in tensors.items():
         _check_tensor(name, x, dims=1 if K is None else 2)
@@ -721,21 +624,20 @@ _OPTIONAL = ("clip_eps_high", "dual_clip", "clip")              # None: the feat
 
 
 def _check_coefficients(table=None, /, **coefficients) -> list:
-    """The named scalar coefficients, in order, as floats in their ranges (table: a dict like
-    `_COEFFICIENTS`, which is the default)."""
-    table = _COEFFICIENTS if table is None else table
-    return [None if x is None and name in _OPTIONAL
-            else _check_number(name, x, *table[name]) for name, x in coefficients.items()]
+    """The named coefficients, in order, as floats in their ranges in table (`_COEFFICIENTS`)."""
+    table = table or _COEFFICIENTS
+    return [None if x is None and name in _OPTIONAL else _check_number(name, x, *table[name])
+            for name, x in coefficients.items()]
 
 
 def _check_num_tokens(num_tokens, act: torch.Tensor) -> None:
     """num_tokens: None, or a whole number >= 1 (one-element tensors too), >= this batch's own."""
     if num_tokens is None:
         return
-    what = "a whole number >= 1: the action-token count of the full batch (None: this batch's)"
     one = isinstance(num_tokens, torch.Tensor) and num_tokens.numel() == 1
     n = _check_number("num_tokens", num_tokens.reshape(()) if one else num_tokens,
-                      lambda v: v >= 1 and v.is_integer(), what)
+                      lambda v: v >= 1 and v.is_integer(), "a whole number >= 1: the action-token "
+                      "count of the full batch (None: this batch's)")
     if n < int(act.sum()):
         raise ValueError(f"num_tokens={int(n)} is below this batch's own {int(act.sum())} "
                          "action tokens; pass the count of the whole (accumulated) batch")
