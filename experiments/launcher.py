@@ -280,16 +280,11 @@ def cpu_kind() -> str:
     return f"{name} ({', '.join(kinds) or 'no avx512'})"
 
 
-def critic_structure(run_dir: Path, n: int = 4) -> dict:
-    """turn_value_structure (§9) of the run's trained critic on fresh sampled validation episodes.
-
-    Streaming episodes have one-token turns, where the statistics are trivially 1; there they are
-    also computed on the task's logical turns (groups of L tokens: a key and its fillers), with the
-    observation positions removed so each group is contiguous (the statistics read action tokens
-    only, so removing them changes nothing else).
-    """
+def final_checkpoint_batch(run_dir: Path, tasks, n: int, seed) -> tuple:
+    """A finished run's policy and critic (its config.json and latest checkpoint) on fresh
+    episodes: n sampled episodes of each task in tasks(suite), after seed_everything(seed(cfg)),
+    scored by its critic. Returns (cfg, tok, trajectories, batch with "values"); no training."""
     import torch
-    import mpo
     import trainer.runs
     import train_min as tm
     saved = json.loads((run_dir / "config.json").read_text())
@@ -301,9 +296,27 @@ def critic_structure(run_dir: Path, n: int = 4) -> dict:
     tok, model, value_head = tm.load_model(cfg, device)
     ckpt = trainer.runs.latest_checkpoint(run_dir)
     trainer.runs.load_checkpoint(ckpt, model, value_head, None, restore_rng=False)
-    tm.seed_everything(10_000 + cfg.seed)
-    batch = tm.collate(tm.rollout(model, tok, suite, suite.val, cfg, n), tok.pad_token_id, device)
-    tm.score_batch(model, value_head, batch, cfg)
+    tm.seed_everything(seed(cfg))
+    with torch.no_grad():
+        trajs = tm.rollout(model, tok, suite, tasks(suite), cfg, n)
+        batch = tm.collate(trajs, tok.pad_token_id, device)
+        tm.score_batch(model, value_head, batch, cfg)
+    return cfg, tok, trajs, batch
+
+
+def critic_structure(run_dir: Path, n: int = 4) -> dict:
+    """turn_value_structure (§9) of the run's trained critic on fresh sampled validation episodes.
+
+    Streaming episodes have one-token turns, where the statistics are trivially 1; there they are
+    also computed on the task's logical turns (groups of L tokens: a key and its fillers), with the
+    observation positions removed so each group is contiguous (the statistics read action tokens
+    only, so removing them changes nothing else).
+    """
+    import torch
+    import mpo
+    cfg, _, _, batch = final_checkpoint_batch(run_dir, lambda suite: suite.val, n,
+                                              lambda cfg: 10_000 + cfg.seed)
+    options = cfg.preset_options
     out = dict(mpo.turn_value_structure(batch["values"], batch["turn_ids"]))
     out.update(critic_vs_outcome(batch["values"], batch["scores"], batch["turn_ids"],
                                  options.get("testbed_turn_len", 1)

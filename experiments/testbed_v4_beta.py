@@ -19,7 +19,6 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -131,27 +130,11 @@ def measures(adv1: torch.Tensor, adv0: torch.Tensor, turn_ids: torch.Tensor,
 
 def probe(run: Path) -> dict:
     """One checkpoint's measures on fresh episodes (the design's)."""
-    import train_min
     from experiments import testbed_env
-    from trainer.runs import latest_checkpoint, load_checkpoint, seed_everything
+    from trainer.runs import latest_checkpoint
     meta = json.loads((run / "run.json").read_text())
-    model_path = json.loads((run / "config.json").read_text())["model"]
-    argv = list(meta["argv"])
-    at = argv.index("--out_dir")
-    with tempfile.TemporaryDirectory() as tmp:
-        argv[at + 1] = tmp
-        cfg = train_min.parse_config(argv)
-        suite = train_min.make_suite(cfg)           # sets the task's turn budget on cfg
-        cfg.model = model_path                      # the run's own tiny model (its cache)
-        device = torch.device("cpu")
-        tok, model, head = train_min.load_model(cfg, device)
-        ckpt = latest_checkpoint(run)
-        load_checkpoint(ckpt, model, head, None, restore_rng=False)
-        seed_everything(PROBE_SEED)
-        with torch.no_grad():
-            trajs = train_min.rollout(model, tok, suite, suite.train[:TASKS], cfg, ROLLOUTS)
-            batch = train_min.collate(trajs, tok.pad_token_id, device)
-            train_min.score_batch(model, head, batch, cfg)
+    cfg, tok, trajs, batch = launcher.final_checkpoint_batch(
+        run, lambda suite: suite.train[:TASKS], ROLLOUTS, lambda cfg: PROBE_SEED)
     turn_ids, values = batch["turn_ids"], batch["values"].detach()
     rewards = mpo.outcome_rewards(batch["scores"], turn_ids)
     adv = {beta: mpo.mpo_advantages(rewards, values, turn_ids, lam=cfg.lam,
@@ -166,10 +149,10 @@ def probe(run: Path) -> dict:
             keys = [p for p, (w, tid) in enumerate(zip(words, t.turn_ids))
                     if tid == k and testbed_env.is_key(w)]
             if keys:                        # the decisive one: the first, with key_last the last
-                key_pos[(b, k)] = keys[-1 if cfg.preset_options["testbed_key_last"] else 0]
+                key_pos[(b, k)] = keys[-1 if cfg.preset_options.get("testbed_key_last") else 0]
     commit, diff = launcher.code_state()
     return {"run": run.name, "setting": meta["setting"], "seed": meta["seed"],
-            "which": which_run(meta), "checkpoint": ckpt.name,
+            "which": which_run(meta), "checkpoint": latest_checkpoint(run).name,
             **measures(adv[1.0], adv[0.0], turn_ids, key_pos, verdicts, delta),
             "code": {"commit": commit, "diff": bool(diff)}, "cpu": launcher.cpu_kind()}
 
