@@ -1,6 +1,6 @@
 """The presets of train_min.py: CPU-sized runs of the same loop, and the scaffolding they need that
 the paper's run does not (a tiny Qwen2 built on the spot, its supervised warm start, the
-credit-assignment testbed of experiments/testbed_env.py, SmolLM2's conversion and warm start).
+credit-assignment testbed of testbed_env.py, SmolLM2's conversion and warm start).
 
     python train_min.py --preset smol       # a real pretrained LLM (SmolLM2-135M-Instruct) on CPU
     python train_min.py --preset tiny       # the whole loop on CPU with a tiny random Qwen2
@@ -316,7 +316,7 @@ SMOL_HOPS = dict(
 
 
 # ---------------------------------------------------------------------------------------------
-# testbed (experiments/testbed_env.py, docs/testbed.md): a random tiny model learns it from scratch
+# testbed (testbed_env.py, docs/testbed.md): a random tiny model learns it from scratch
 # ---------------------------------------------------------------------------------------------
 
 def flag(default, help: str):
@@ -348,7 +348,7 @@ class TestbedOptions:
                                       "key (d = 1: the next boundary; 0: never)")
 
     def __post_init__(self):
-        from experiments import testbed_env
+        import testbed_env
         testbed_env.check_options(self.testbed_streaming, self.testbed_decisive,
                                   self.testbed_key_anywhere, self.testbed_full_turns,
                                   self.testbed_verdict_delay, self.testbed_turns,
@@ -372,9 +372,9 @@ TESTBED = dict(
 
 
 def testbed_suite(cfg):
-    """experiments/testbed_env.py's tasks; sets the turn budget the task fixes: K turns of L
+    """testbed_env.py's tasks; sets the turn budget the task fixes: K turns of L
     tokens (K*L one-token turns when streaming)."""
-    from experiments import testbed_env
+    import testbed_env
     o = TestbedOptions(**cfg.preset_options)
     cfg.max_turns, cfg.max_new_tokens = testbed_env.turn_budget(
         o.testbed_turns, o.testbed_turn_len, o.testbed_streaming)

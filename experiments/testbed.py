@@ -1,5 +1,5 @@
 """The testbed studies v1-v3 and the map (docs/testbed.md): variants × seeds × turn lengths of
-`--preset testbed` (experiments/testbed_env.py) on a CPU, in at most 2 worker processes with one
+`--preset testbed` (testbed_env.py) on a CPU, in at most 2 worker processes with one
 torch thread each. `python experiments/grid.py testbed [flags]` is the same command line (the
 form the committed raw files and pages quote); the runs keep experiments/launcher.py's contract
 (markers, resume, one writer, provenance).

@@ -130,7 +130,7 @@ def measures(adv1: torch.Tensor, adv0: torch.Tensor, turn_ids: torch.Tensor,
 
 def probe(run: Path) -> dict:
     """One checkpoint's measures on fresh episodes (the design's)."""
-    from experiments import testbed_env
+    import testbed_env
     from trainer.runs import latest_checkpoint
     meta = json.loads((run / "run.json").read_text())
     cfg, tok, trajs, batch = launcher.final_checkpoint_batch(

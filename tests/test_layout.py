@@ -1,15 +1,16 @@
 """The code imports in one direction, without a circle (issues 26, 52). At the root: mpo.py and
-search_env.py need none of the others; baselines.py and diagnostics.py only mpo.py; presets.py
-the search task and the trainer's model room; train_min.py all of them. The trainer's rooms
-(trainer/: config, model, critics, sampling, runs) import mpo.py, diagnostics.py and each other
-downward only. Every import counts, a function's own included."""
+search_env.py need none of the others; baselines.py and diagnostics.py only mpo.py; testbed_env.py
+only search_env.py; presets.py the two tasks and the trainer's model room; train_min.py all of
+them. The trainer's rooms (trainer/: config, model, critics, sampling, runs) import mpo.py,
+diagnostics.py and each other downward only. The core imports nothing from experiments/ (issue
+61). Every import counts, a function's own included."""
 import ast
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-FILES = ("mpo", "baselines", "diagnostics", "search_env", "trainer/config", "trainer/model",
-         "trainer/critics", "trainer/sampling", "trainer/runs", "presets",
+FILES = ("mpo", "baselines", "diagnostics", "search_env", "testbed_env", "trainer/config",
+         "trainer/model", "trainer/critics", "trainer/sampling", "trainer/runs", "presets",
          "train_min")                                                     # in import order
 
 
@@ -31,10 +32,10 @@ def test_code_imports_in_one_direction_only():
     graph = {name: imports_of(name) for name in FILES}
     assert graph == {
         "mpo": set(), "baselines": {"mpo"}, "diagnostics": {"mpo"}, "search_env": set(),
-        "trainer/config": set(), "trainer/model": set(),
+        "testbed_env": {"search_env"}, "trainer/config": set(), "trainer/model": set(),
         "trainer/critics": {"mpo", "trainer/model"}, "trainer/sampling": {"trainer/config"},
         "trainer/runs": {"diagnostics", "trainer/config"},
-        "presets": {"search_env", "trainer/model"},
+        "presets": {"search_env", "testbed_env", "trainer/model"},
         "train_min": {"mpo", "baselines", "diagnostics", "search_env", "presets",
                       "trainer/config", "trainer/model", "trainer/critics", "trainer/sampling",
                       "trainer/runs"}}
@@ -46,6 +47,37 @@ def test_the_layout_check_sees_imports_inside_functions(tmp_path, monkeypatch):
     (tmp_path / "presets.py").write_text("def f():\n    import train_min\n    from mpo import x\n")
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     assert imports_of("presets") == {"train_min", "mpo"}
+
+
+CORE = FILES + ("trainer/__init__",)                   # every core file: the root's and trainer/
+
+
+def experiments_imports(name: str) -> set[str]:
+    """What <name>.py imports from the experiments package anywhere in its body
+    ("experiments.<module>", or "experiments.<name>" for `from experiments import <name>`)."""
+    found = set()
+    for node in ast.walk(ast.parse((ROOT / f"{name}.py").read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.split(".")[0] == "experiments"}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "experiments":
+            found |= {f"{node.module}.{a.name}" for a in node.names}
+    return found
+
+
+def test_the_core_imports_nothing_from_the_studies():
+    """Issue 61: mpo, baselines, diagnostics, the two environments, trainer/, presets and
+    train_min import nothing from experiments/ (the testbed's environment is testbed_env.py)."""
+    assert sorted(str(p.relative_to(ROOT))[:-3] for p in (ROOT / "trainer").glob("*.py")) == sorted(
+        name for name in CORE if name.startswith("trainer/")), "a trainer room missing from FILES"
+    assert {name: experiments_imports(name) for name in CORE} == {name: set() for name in CORE}
+
+
+def test_the_core_check_sees_study_imports(tmp_path, monkeypatch):
+    (tmp_path / "presets.py").write_text(
+        "import mpo\ndef f():\n    from experiments import testbed_env\n"
+        "    import experiments.launcher as l\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert experiments_imports("presets") == {"experiments.testbed_env", "experiments.launcher"}
 
 
 def test_the_trainer_stays_one_readable_file_and_the_readme_five_minutes():

@@ -1,4 +1,4 @@
-"""Tests for the credit-assignment testbed (experiments/testbed_env.py, `--preset testbed`).
+"""Tests for the credit-assignment testbed (testbed_env.py, `--preset testbed`).
 
 The environment's rewards and turn structure (plain and streaming), the word-level tokenizer, the
 turn-id layout of real rollouts through train_min.rollout, and the CI learning test: one seed of
@@ -19,7 +19,7 @@ import torch
 import mpo
 import presets
 from experiments.testbed import updates_to
-from experiments import testbed_env as te
+import testbed_env as te
 import train_min
 from helpers import run_main
 
