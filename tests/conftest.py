@@ -264,7 +264,7 @@ def one_thread():
     torch.set_num_threads(n)
 
 
-# --- The tiny model of the trainer tests (test_train_min, test_trainer_gpu_path, test_turn_critic)
+# --- The tiny model of the trainer tests (test_train_*, test_trainer_gpu_path, test_turn_critic)
 @pytest.fixture(scope="module")
 def base(tmp_path_factory, request):
     """A folder per test module for its runs and its tiny model."""
@@ -279,3 +279,46 @@ def tiny_path(base) -> str:
     import train_min
     cfg = train_min.parse_config(["--preset", "tiny", "--out_dir", str(base / "unused")])
     return presets.build_tiny_model(base / ".tiny-qwen2", train_min.make_suite(cfg).corpus)
+
+
+# --- The trainer tests' shared model (test_train_update, test_train_rollout), one per module ------
+@pytest.fixture(scope="module")
+def cfg(tiny_path, base):
+    """A --preset tiny Config on the module's tiny model (helpers.make_cfg)."""
+    from helpers import make_cfg
+    return make_cfg(tiny_path, base)
+
+
+@pytest.fixture(scope="module")
+def suite(cfg):
+    import train_min
+    return train_min.make_suite(cfg)
+
+
+@pytest.fixture(scope="module")
+def loaded(cfg):
+    """Tokenizer, PEFT model and value head; LoRA B and the value head are randomised (they start
+    at zero), so the two adapters compute different functions and values are not all 0."""
+    import train_min
+    from helpers import randomise_lora_b, trainable
+    tok, model, value_head = train_min.load_model(cfg, torch.device("cpu"))
+    randomise_lora_b(model, 0.05, seed=1234, value_head=value_head, value_head_std=0.3)
+    snapshot = {n: p.detach().clone() for n, p in trainable(model, value_head).items()}
+    return tok, model, value_head, snapshot
+
+
+@pytest.fixture
+def fresh(loaded):
+    """The shared model with its trainable weights reset and no gradients: order-independent tests."""
+    import itertools
+    import train_min
+    from helpers import trainable
+    tok, model, value_head, snapshot = loaded
+    params = trainable(model, value_head)
+    with torch.no_grad():
+        for n, p in params.items():
+            p.copy_(snapshot[n])
+    for p in itertools.chain(model.parameters(), value_head.parameters()):
+        p.grad = None
+    train_min.use_adapter(model, "policy")
+    return tok, model, value_head

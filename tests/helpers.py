@@ -1,5 +1,6 @@
 """Helpers shared by the tests: run_main for the tests that run train_min.py's main loop
 in-process, randomise_lora_b for the tests that need LoRA adapters that change the output,
+make_cfg / rollout_batch / trainable for the tiny-model trainer tests,
 qwen3_tokenizer / tiny_qwen3_model_dir for the tests that need the real Qwen3 chat templates."""
 from __future__ import annotations
 
@@ -24,6 +25,13 @@ def rollout_batch(tok, model, value_head, cfg, seed=0, n_questions=3, n=2):
     batch["advantages"] = torch.where(act, torch.randn(act.shape, generator=g), 0.0)
     batch["returns"] = torch.where(act, torch.randn(act.shape, generator=g), 0.0)
     return trajs, batch
+
+
+def trainable(model, value_head) -> dict[str, torch.Tensor]:
+    """The weights an update may train: both LoRA adapters, then the value head ("value_head.*")."""
+    out = {n: p for n, p in model.named_parameters() if "lora_" in n}
+    out.update({f"value_head.{n}": p for n, p in value_head.named_parameters()})
+    return out
 
 
 def make_cfg(tiny_path, base, *extra: str):
