@@ -25,7 +25,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 # --- Hypothesis profiles --------------------------------------------------------------------------
 # "mpo" keeps the whole suite well under two minutes on a 2-core CPU; "mpo-thorough" is for a
-# longer local run: HYPOTHESIS_PROFILE=mpo-thorough pytest tests/test_mpo_*.py
+# longer local run: HYPOTHESIS_PROFILE=mpo-thorough pytest tests/test_mpo_*.py tests/test_baselines_*.py
 _common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.register_profile("mpo", max_examples=50, **_common)
 settings.register_profile("mpo-thorough", max_examples=300, **_common)

@@ -73,7 +73,7 @@ def test_vapo_rejects_bad_alpha_and_critic_lam_naming_them():
 def test_train_min_vapo_variant_pretrains_the_value_then_uses_vapo_advantages():
     """train_min's "vapo": mpo.vapo_advantages and the critic's Monte Carlo targets at every
     step; its first vapo_value_steps updates train the critic only (cfg.critic_only_steps; the
-    update itself: test_train_min's critic-only test)."""
+    update itself: test_train_update's critic-only test)."""
     import train_min
     cfg = train_min.Config(variant="vapo", vapo_value_steps=2)
     assert "vapo" in train_min.VARIANTS and cfg.uses_critic and cfg.spec.ratio_level == "token"
