@@ -9,7 +9,7 @@ FAULT is one of
                        points at it
   kill_after:SECONDS   SIGKILL after a wall-clock delay, wherever the run is
 
-As in tests/test_train_min.py, the tiny model gets a 4-step warm start (WARM_STEPS) and episodes
+As in tests/test_train_runs.py, the tiny model gets a 4-step warm start (WARM_STEPS) and episodes
 are rewarded by the parity of their last turn's length, so updates are not all zero.
 """
 from __future__ import annotations
@@ -65,7 +65,7 @@ def parity_reward_patch() -> tuple[object, str, object]:
 def run_patches() -> list[tuple[object, str, object]]:
     """(object, attribute, replacement) for every run of tests/test_faults.py, in a child process
     (patch) or in-process (test_faults' `base` fixture), so that both train the same model on
-    the same rewards; tests/test_train_min.py uses the same two patches."""
+    the same rewards; tests/test_train_runs.py uses the same two patches."""
     return [quick_build_patch(), parity_reward_patch()]
 
 

@@ -2,7 +2,7 @@
 grids, compare tables and plots from real tiny-preset runs, and the testbed study end to end.
 
 The tiny-preset runs use a tiny model built once here without warm start (seconds), passed with
---model so nothing is downloaded or rebuilt; torch runs single-threaded as in test_train_min.py
+--model so nothing is downloaded or rebuilt; torch runs single-threaded as in test_train_runs.py
 (two threads on a loaded 2-core machine are ~1000x slower for tiny matmuls).
 """
 from __future__ import annotations

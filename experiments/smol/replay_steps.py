@@ -2,7 +2,7 @@
 
     python experiments/smol/replay_steps.py RUN_DIR --from_step 22 --to_step 24 --out FILE.json
 
-Resume is exact (tests/test_train_min.py), so the replayed rollouts are the run's own: the script
+Resume is exact (tests/test_train_runs.py), so the replayed rollouts are the run's own: the script
 copies the run's config, metrics and checkpoint `--from_step` to a scratch folder, resumes there
 with train_min up to `--to_step` (no evaluation), and writes, for each replayed step, per episode:
 its reward, turns, how it ended (answer, truncated, malformed) and, per turn, the mean advantage
