@@ -1,8 +1,9 @@
 """The studies' statistics, in one place: paired t-tests by seed (scipy), Holm's step-down
 correction, and the cells the tables print (mean ± SE, p-values, signed differences).
 
-Every study (experiments/grid.py's paper grids, testbed.py's v1-v3 and the map, testbed_why.py,
-testbed_v4.py, smol_study.py) reads these; none keeps a copy.
+Every study (experiments/grid.py's paper grids, the testbed's v1-v3 and the map (testbed.py,
+testbed_v2.py, testbed_map.py, through testbed_lib.py), testbed_why.py, testbed_v4.py,
+smol_study.py) reads these; none keeps a copy.
 """
 from __future__ import annotations
 

@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import mpo  # noqa: E402
-from experiments import launcher, significance as sig, testbed  # noqa: E402
+from experiments import launcher, significance as sig, testbed_lib  # noqa: E402
 from experiments import testbed_v4 as v4  # noqa: E402
 
 ROOT = launcher.ROOT
@@ -204,11 +204,11 @@ def arm_flags(setting: str, variant: str) -> list[str]:
 
 
 def arm_jobs(root: Path, cache: Path, setting: str, seeds) -> list[dict]:
-    return [testbed.testbed_job(root, setting, variant, seed, v4.STEPS + v4.WARMUP,
-                                v4.TURN_LEN, arm_flags(setting, variant),
-                                {"setting": setting, "regime": ARMS[setting][0], "turns": 4,
-                                 "feedback": True, "warmup": v4.WARMUP, "streaming": False,
-                                 "lr": list(ARM_RATES)}, cache)
+    return [testbed_lib.testbed_job(root, setting, variant, seed, v4.STEPS + v4.WARMUP,
+                                    v4.TURN_LEN, arm_flags(setting, variant),
+                                    {"setting": setting, "regime": ARMS[setting][0], "turns": 4,
+                                     "feedback": True, "warmup": v4.WARMUP, "streaming": False,
+                                     "lr": list(ARM_RATES)}, cache)
             for seed in seeds for variant in ARM_VARIANTS]
 
 
@@ -218,7 +218,7 @@ def run_arm(out: Path, setting: str, seeds, workers: int) -> None:
     regimes = {regime for regime, _, _ in ARMS.values()}
     for seed in seeds:
         launcher.run_jobs(arm_jobs(out, cache, setting, [seed]), workers)
-        found = [r for r in testbed.collect_v2(out, "regime") if r["regime"] in regimes]
+        found = [r for r in testbed_lib.collect_v2(out, "regime") if r["regime"] in regimes]
         records, kept = launcher.merge_records(ARM_RESULTS, found, arm_key, arm_key)
         launcher.save_study(out, ARM_RESULTS, records,
                             lambda r: f"{r['setting']}-{r['variant']}-s{r['seed']}",

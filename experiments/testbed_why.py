@@ -38,12 +38,12 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from experiments import launcher, significance as sig, testbed  # noqa: E402
+from experiments import launcher, significance as sig, testbed_lib  # noqa: E402
 
 ROOT = launcher.ROOT
 CELL, REGIME, TURN_LEN, DELAY = "v3-d1-L16", "v3-d1", 16, 1
-FLAGS = [*testbed.V2_FLAGS, "--testbed_verdict_delay", str(DELAY)]
-STEPS = testbed.V2_STEPS                               # policy updates, as v3
+FLAGS = [*testbed_lib.V2_FLAGS, "--testbed_verdict_delay", str(DELAY)]
+STEPS = testbed_lib.V2_STEPS                           # policy updates, as v3
 SEEDS = tuple(range(10))
 TUNE_SEEDS = (100, 101, 102)
 WARMUP = 30      # critic-only updates: v3's A critic first reached EV 0.5 (vs its target) at ~30
@@ -69,7 +69,7 @@ TUNE_VARIANTS = ("mpo", "mpo_beta0", "grpo", "ppo", "sao")
 LR_POLICY = (1e-3, 3e-3, 1e-2)
 LR_CRITIC = (3e-3, 1e-2)
 DEFAULT_LR = (3e-3, 3e-3)          # the testbed preset's lr_policy and lr_critic (= lr_value_head)
-SHORT = testbed.SHORT
+SHORT = testbed_lib.SHORT
 
 
 def lr_pairs(variant: str) -> list[tuple[float, float | None]]:
@@ -100,11 +100,10 @@ def job(root: Path, cache: Path, arm: str, variant: str, seed: int, flags: list[
     """One run of the cell under root/runs/<arm>-<variant>-s<seed>."""
     warmup = int(flags[flags.index("--critic_warmup_steps") + 1]) \
         if "--critic_warmup_steps" in flags else 0
-    return testbed.testbed_job(root, arm, variant, seed, STEPS + warmup, TURN_LEN,
-                               [*FLAGS, *flags, *extra],
-                               {"setting": CELL, "regime": REGIME, "arm": arm, "warmup": warmup,
-                                "streaming": False, "feedback": False, "verdict_delay": DELAY},
-                               cache)
+    return testbed_lib.testbed_job(
+        root, arm, variant, seed, STEPS + warmup, TURN_LEN, [*FLAGS, *flags, *extra],
+        {"setting": CELL, "regime": REGIME, "arm": arm, "warmup": warmup, "streaming": False,
+         "feedback": False, "verdict_delay": DELAY}, cache)
 
 
 def mechanism_jobs(root: Path, cache: Path, extra: list[str], seeds=SEEDS) -> list[dict]:
@@ -170,7 +169,8 @@ def save(out: Path, results: Path, argv: list[str], planned: int) -> list[dict]:
     """Write the records of the finished runs into results, keeping records already there whose
     run folder is gone; copy each sitting's diff beside them (diffs/), so every record's code
     can be rebuilt from the repository alone."""
-    records, kept = launcher.merge_records(results, testbed.collect_v2(out, "arm"), key, order)
+    found = testbed_lib.collect_v2(out, "arm")
+    records, kept = launcher.merge_records(results, found, key, order)
     return launcher.save_study(out, results, records,
                                lambda r: f"{r['arm']}-{r['variant']}-s{r['seed']}",
                                "python experiments/testbed_why.py " + " ".join(argv), planned, kept)
@@ -194,7 +194,7 @@ def rows_of(records: list[dict]) -> dict[tuple[str, str], list[dict]]:
 
 
 def updates_to_half(r: dict) -> int | None:
-    return testbed.updates_to([tuple(p) for p in r["curve"]], 0.5)
+    return testbed_lib.updates_to([tuple(p) for p in r["curve"]], 0.5)
 
 
 def arm_table(records: list[dict]) -> str:
@@ -274,7 +274,7 @@ def tuned_rows(records: list[dict]) -> list[dict]:
     return out
 
 
-def reproduction_line(records: list[dict], v3: Path = testbed.V3_RESULTS) -> str:
+def reproduction_line(records: list[dict], v3: Path = testbed_lib.V3_RESULTS) -> str:
     """The control against v3's committed records of the same cell and seeds (another CPU kind
     for some): how close a re-run on this machine came."""
     old = {(r["variant"], r["seed"]): r["final"] for r in json.loads(v3.read_text())["runs"]
@@ -405,7 +405,7 @@ def report(results: Path = RESULTS, out: Path | None = None) -> str:
     if results.resolve() == RESULTS.resolve():           # the committed study: its record page
         RECORD_TABLES.write_text("# Why MPO lost at d = 1, L = 16: the full tables (generated)\n\n"
                                  + body.replace("](testbed/", "](../../testbed/"))
-    launcher.update_page(testbed.TESTBED_PAGE, PAGE_SECTION, compact)
+    launcher.update_page(testbed_lib.TESTBED_PAGE, PAGE_SECTION, compact)
     launcher.update_page(SUMMARY_PAGE, SUMMARY_SECTION, summary_table(main, finals))
     print(body)
     return body

@@ -6,7 +6,7 @@ captured, so nothing in the checkout changes."""
 import re
 from pathlib import Path
 
-from experiments import launcher, testbed
+from experiments import launcher, testbed_lib, testbed_map
 from experiments import testbed_v4 as v4
 from experiments import testbed_why as why
 
@@ -40,7 +40,7 @@ def assert_written_is_committed(written: dict, sections: set, record: Path) -> N
 def test_the_why_study_pages_are_its_report(monkeypatch, tmp_path, capsys):
     written = captured(monkeypatch, tmp_path)
     why.report()
-    assert_written_is_committed(written, {(testbed.TESTBED_PAGE, why.PAGE_SECTION),
+    assert_written_is_committed(written, {(testbed_lib.TESTBED_PAGE, why.PAGE_SECTION),
                                           (why.SUMMARY_PAGE, why.SUMMARY_SECTION)},
                                 tmp_path / "why-tables.md")
 
@@ -48,10 +48,10 @@ def test_the_why_study_pages_are_its_report(monkeypatch, tmp_path, capsys):
 def test_the_v4_study_pages_are_its_report(monkeypatch, tmp_path, capsys):
     written = captured(monkeypatch, tmp_path)
     maps = []
-    monkeypatch.setattr(testbed, "write_map", lambda: maps.append(1))   # checked in test_grid
+    monkeypatch.setattr(testbed_map, "write_map", lambda: maps.append(1))   # checked in test_grid
     v4.report()
     assert maps == [1]                 # the committed v4 records rewrite the map (it reads them)
-    assert_written_is_committed(written, {(testbed.TESTBED_PAGE, v4.PAGE_SECTION),
+    assert_written_is_committed(written, {(testbed_lib.TESTBED_PAGE, v4.PAGE_SECTION),
                                           (v4.SUMMARY_PAGE, v4.SUMMARY_SECTION)},
                                 tmp_path / "v4-tables.md")
 

@@ -20,6 +20,7 @@ import mpo
 import presets
 import train_min
 from experiments import grid, launcher, significance as sig, testbed
+from experiments import testbed_lib, testbed_map, testbed_v2
 from helpers import run_main
 
 
@@ -93,7 +94,7 @@ def test_a_run_stopped_before_its_last_step_is_not_finished_and_resumes(tiny_mod
     [marker] = launcher.run_jobs([job])
     assert (marker["finished"], marker["step"]) == (True, 2)
     assert marker["commits"] == ["aaa1111", "bbb2222"]           # both sittings, in order
-    assert testbed.v2_record({**marker, "setting": "s", "regime": "v2", "variant": "mpo",
+    assert testbed_lib.v2_record({**marker, "setting": "s", "regime": "v2", "variant": "mpo",
                            "seed": 0, "turn_len": 4}, [{"step": 2, "val/reward": 0.0}]
                           )["commits"] == ["aaa1111", "bbb2222"]
     assert "resumed from" in (tmp_path / "run" / "log.txt").read_text()
@@ -179,7 +180,7 @@ def test_each_sitting_records_its_code_and_a_killed_sitting_keeps_its_commit(tmp
     assert marker["sittings"][1]["diff"] is None and marker["sittings"][1]["wall_s"] > 0
     assert marker["wall_s"] == pytest.approx(marker["sittings"][1]["wall_s"])
     assert marker["wall_s_complete"] is False               # the killed sitting's time is unknown
-    record = testbed.v2_record({**marker, "setting": "s", "regime": "v2", "variant": "mpo",
+    record = testbed_lib.v2_record({**marker, "setting": "s", "regime": "v2", "variant": "mpo",
                              "turn_len": 4}, [{"step": 2, "val/reward": 0.5}])
     assert record["code"] == [{k: s[k] for k in ("commit", "diff", "cpu")}
                               for s in marker["sittings"]]
@@ -315,9 +316,9 @@ def test_mean_std_is_the_sample_std_in_percent():
 # ---------------------------------------------------------------------------------------------
 
 def test_updates_to_threshold_is_the_first_evaluation_at_or_above_it():
-    assert testbed.updates_to([(5, 0.2), (10, 0.85), (15, 0.9)], 0.8) == 10
-    assert testbed.updates_to([(5, 0.2), (10, 0.8)], 0.8) == 10
-    assert testbed.updates_to([(5, 0.2), (10, 0.7)], 0.8) is None
+    assert testbed_lib.updates_to([(5, 0.2), (10, 0.85), (15, 0.9)], 0.8) == 10
+    assert testbed_lib.updates_to([(5, 0.2), (10, 0.8)], 0.8) == 10
+    assert testbed_lib.updates_to([(5, 0.2), (10, 0.7)], 0.8) is None
 
 
 def test_testbed_study_end_to_end_writes_markers_critic_structure_table_and_plots(tmp_path,
@@ -386,12 +387,12 @@ def v2_args(*argv: str):
 
 def test_v2_job_list_is_six_variants_ten_seeds_three_lengths_plus_the_counter_regime():
     args = v2_args()
-    jobs = testbed.v2_jobs(args, ["--eval_every", "5"])
+    jobs = testbed_v2.v2_jobs(args, ["--eval_every", "5"])
     assert len(jobs) == 6 * 10 * 3 + 3 * 10 == 210
     assert len({j["out"] for j in jobs}) == 210                           # one folder per run
     names = [Path(j["out"]).name for j in jobs]
     assert names[0] == "v2-L64-mpo-s0" and names[-1] == "stream-L4-grpo-s9"   # longest first
-    assert args.results == testbed.V2_RESULTS and args.steps == 60
+    assert args.results == testbed_lib.V2_RESULTS and args.steps == 60
     cells = {}
     for j in jobs:
         m = j["meta"]
@@ -403,14 +404,14 @@ def test_v2_job_list_is_six_variants_ten_seeds_three_lengths_plus_the_counter_re
         assert argv[-2:] == ["--eval_every", "5"]                        # after --: last
         assert j["threads"] == 1 and j["measure_critic"] == (m["variant"] != "grpo")
         if m["regime"] == "v2":
-            assert argv[argv.index("--out_dir") + 2:][:10] == testbed.V2_FLAGS
+            assert argv[argv.index("--out_dir") + 2:][:10] == testbed_lib.V2_FLAGS
             assert ("--vapo_value_steps" in argv) == (m["variant"] == "vapo")
         else:
             assert "--testbed_streaming" in argv and "--testbed_decisive" not in argv
     assert all(seeds == list(range(10)) for seeds in cells.values())
     assert {s for s, _ in cells} == {"v2-L8", "v2-L32", "v2-L64", "stream-L4"}
     assert {v for s, v in cells if s == "stream-L4"} == {"mpo", "ppo", "grpo"}
-    assert {v for s, v in cells if s == "v2-L8"} == set(testbed.V2_VARIANTS)
+    assert {v for s, v in cells if s == "v2-L8"} == set(testbed_lib.V2_VARIANTS)
     # the argument lists parse as train_min runs of the v2 regime (VAPO: 10 critic-only updates)
     vapo = next(j for j in jobs if j["meta"]["variant"] == "vapo")
     cfg = train_min.parse_config(vapo["argv"])
@@ -420,7 +421,7 @@ def test_v2_job_list_is_six_variants_ten_seeds_three_lengths_plus_the_counter_re
     stream = train_min.parse_config(jobs[-1]["argv"])
     assert stream.preset_options["testbed_streaming"] and stream.preset_options["testbed_turn_len"] == 4
     quick = v2_args("--quick")
-    assert len(testbed.v2_jobs(quick, [])) == 6 * 2 + 2 * 2 and quick.results.parent == quick.out
+    assert len(testbed_v2.v2_jobs(quick, [])) == 6 * 2 + 2 * 2 and quick.results.parent == quick.out
 
 
 def test_holm_matches_the_step_down_rule_by_hand():
@@ -460,7 +461,7 @@ def hand_records() -> list[dict]:
 
 
 def test_paired_comparisons_give_the_t_test_p_and_holm_over_the_page():
-    comps = {(c["setting"], c["variant"]): c for c in testbed.comparisons(hand_records())}
+    comps = {(c["setting"], c["variant"]): c for c in testbed_lib.comparisons(hand_records())}
     assert set(comps) == {("v2-L8", "ppo"), ("v2-L8", "grpo"), ("stream-L4", "ppo")}
     ppo8, grpo8, ppo_s = comps[("v2-L8", "ppo")], comps[("v2-L8", "grpo")], comps[("stream-L4", "ppo")]
     assert (ppo8["n"], ppo8["mean"], ppo8["se"]) == (3, pytest.approx(0.2), pytest.approx(0.1 / 3 ** 0.5))
@@ -507,7 +508,7 @@ def test_v2_record_reads_the_gates_from_metrics_rows():
     marker = {"setting": "v2-L8", "regime": "v2", "variant": "mpo", "seed": 3, "turn_len": 8,
               "steps": 20, "wall_s": 12.34, "structure": {"ev_R": 0.5, "ev_R_later_turns": 0.7,
                                                           "between_share_token_median": 0.4}}
-    r = testbed.v2_record(marker, rows)
+    r = testbed_lib.v2_record(marker, rows)
     assert r["final"] == 1.0 and r["final_step"] == 20 and r["curve"][0] == [5, 0.25]
     assert r["auc"] == pytest.approx((0.25 + 0.5 + 0.75 + 1.0) / 4)
     assert r["ev_last10"] == pytest.approx(sum(range(11, 21)) / 10 / 20)     # the last 10 updates
@@ -588,20 +589,20 @@ def test_the_report_refuses_a_record_written_by_two_writers(tmp_path):
     results = launcher.write_results(tmp_path / "r.json", {"command": "x"}, [bad, *records[1:]])
     with pytest.raises(ValueError, match=f"{bad['setting']} {bad['variant']} seed "
                                          f"{bad['seed']} has duplicated or out-of-order"):
-        testbed.v2_report(results, tmp_path)
+        testbed_v2.v2_report(results, tmp_path)
     long_ev = dict(records[0], ev_curve=[0.1] * (records[0]["steps"] + 5))
     results = launcher.write_results(tmp_path / "r.json", {"command": "x"}, [long_ev, *records[1:]])
     with pytest.raises(ValueError, match="critic-EV entries for"):
-        testbed.v2_report(results, tmp_path)
+        testbed_v2.v2_report(results, tmp_path)
 
 
 def test_v3_grid_runs_the_v2_regime_at_each_verdict_delay(tmp_path):
     args = grid.build_parser().parse_args(["testbed", "--v3", "--out", str(tmp_path)])
     testbed.testbed_defaults(args)
-    assert args.results == testbed.V3_RESULTS and args.v2 and args.steps == 60
-    jobs = testbed.v2_jobs(args, [])
+    assert args.results == testbed_lib.V3_RESULTS and args.v2 and args.steps == 60
+    jobs = testbed_v2.v2_jobs(args, [])
     assert len(jobs) == 6 * 10 * 2 * 2                       # variants x seeds x L x d
-    assert {j["meta"]["variant"] for j in jobs} == set(testbed.V3_VARIANTS) >= {"sao", "grpo"}
+    assert {j["meta"]["variant"] for j in jobs} == set(testbed_lib.V3_VARIANTS) >= {"sao", "grpo"}
     assert {(j["meta"]["turn_len"], j["meta"]["verdict_delay"]) for j in jobs} == {
         (16, 1), (16, 2), (64, 1), (64, 2)}
     j = next(j for j in jobs if j["meta"]["setting"] == "v3-d2-L16" and j["meta"]["seed"] == 3)
@@ -616,9 +617,9 @@ def test_v3_grid_runs_the_v2_regime_at_each_verdict_delay(tmp_path):
 
 def test_the_testbed_page_quotes_exactly_the_tables_of_the_committed_raw_files():
     """docs/testbed.md's compact result tables are generated from the committed raw files
-    (testbed.page_tables, written by --report_only): a number in the page cannot go stale."""
+    (testbed_v2.page_tables, written by --report_only): a number in the page cannot go stale."""
     page = (launcher.ROOT / "docs" / "testbed.md").read_text()
-    for results, section in testbed.PAGE_SECTIONS.items():
+    for results, section in testbed_v2.PAGE_SECTIONS.items():
         start, end = f"<!-- {section}:start -->\n", f"<!-- {section}:end -->"
         if not results.exists():
             assert start + end in page            # no raw file yet: an empty section
@@ -626,11 +627,11 @@ def test_the_testbed_page_quotes_exactly_the_tables_of_the_committed_raw_files()
         records = json.loads(results.read_text())["runs"]
         for r in records:
             launcher.check_record(r, results)
-        assert start + testbed.page_tables(records) + end in page, section
+        assert start + testbed_v2.page_tables(records) + end in page, section
 
 
 def test_page_tables_format_on_hand_records(tmp_path):
-    md = testbed.page_tables(hand_records())
+    md = testbed_v2.page_tables(hand_records())
     lines = md.splitlines()
     assert lines[0].startswith("| | A: MPO |") and "| L = 8 |" in md and "streaming L = 4" in md
     ppo = next(line for line in lines if line.startswith("| L = 8 |") and "(" in line)
@@ -650,9 +651,9 @@ def test_provenance_summary_counts_each_records_code_state():
             {"commits": ["b+uncommitted changes"],
              "code": [{"commit": "b+uncommitted changes", "diff": "code-1.diff", "cpu": "x"}]},
             {"commits": ["c"], "code": [{"commit": "c", "diff": None, "cpu": "x"}]}]
-    assert [testbed.code_state_of(r) for r in recs] == ["commit", "lost", "not recorded",
+    assert [testbed_lib.code_state_of(r) for r in recs] == ["commit", "lost", "not recorded",
                                                      "diff saved", "commit"]
-    line = testbed.provenance_summary(recs)
+    line = testbed_lib.provenance_summary(recs)
     assert line.startswith("Code of the 5 records: 2 at a recorded clean commit, 1 at a commit "
                            "with a saved diff (rebuildable); 1 ran with uncommitted changes")
     assert "and 1 recorded no commit" in line
@@ -672,8 +673,8 @@ def map_hand_records() -> list[dict]:
 
 
 def test_the_map_turns_the_sign_and_names_wins_losses_and_ties(monkeypatch):
-    monkeypatch.setattr(testbed, "MAP_SEEDS", 3)                 # the hand records' seeds
-    comps = {c["variant"]: c for c in testbed.map_comparisons(map_hand_records())}
+    monkeypatch.setattr(testbed_map, "MAP_SEEDS", 3)                 # the hand records' seeds
+    comps = {c["variant"]: c for c in testbed_map.map_comparisons(map_hand_records())}
     assert set(comps) == {"ppo", "grpo", "vapo"}          # not "weird", not the v1 regime
     # A − X: ppo's X − A was +0.2 (tie: p 0.074 before Holm), grpo +0.3, vapo −0.3 (t = ±52)
     assert comps["ppo"]["mean"] == pytest.approx(-0.2) and comps["ppo"]["verdict"] == "tie"
@@ -682,7 +683,7 @@ def test_the_map_turns_the_sign_and_names_wins_losses_and_ties(monkeypatch):
     p = t_p_df2(0.3 / (0.01 / 3 ** 0.5))
     assert comps["vapo"]["p_holm"] == pytest.approx(min(1, 3 * p))     # the smallest of 3
     assert comps["ppo"]["p_holm"] == pytest.approx(t_p_df2(2 * 3 ** 0.5))   # the largest: × 1
-    md = testbed.map_table(map_hand_records())
+    md = testbed_map.map_table(map_hand_records())
     row = next(line for line in md.splitlines() if line.startswith("| no verdict (v2) | 8 |"))
     cells = [c.strip() for c in row.split("|")[1:-1]]
     assert cells[2:4] == ["0.30", "–"]                   # A's critic: EV vs R later, no share
@@ -693,16 +694,16 @@ def test_the_map_turns_the_sign_and_names_wins_losses_and_ties(monkeypatch):
 
 def test_the_pages_hold_the_map_of_the_committed_raw_files(tmp_path):
     """docs/testbed.md and README.md quote the map generated from the committed raw files
-    (testbed.write_map, run by every --report_only): its numbers cannot go stale."""
-    records = testbed.map_records()
-    for page, compact in testbed.MAP_PAGES.items():
+    (testbed_map.write_map, run by every --report_only): its numbers cannot go stale."""
+    records = testbed_map.map_records()
+    for page, compact in testbed_map.MAP_PAGES.items():
         doc = page.read_text()
-        text = testbed.map_table(records, compact=compact)
+        text = testbed_map.map_table(records, compact=compact)
         assert "<!-- map:start -->\n" + text + "<!-- map:end -->" in doc, page.name
         if not compact:                                     # the README has no room for it
-            summary = testbed.map_summary(records)
+            summary = testbed_map.map_summary(records)
             assert "<!-- map-summary:start -->\n" + summary + "<!-- map-summary:end -->" in doc
-    png = testbed.map_figure(records, tmp_path / "map.png")
+    png = testbed_map.map_figure(records, tmp_path / "map.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -712,18 +713,18 @@ def test_the_map_refuses_a_corrupted_record(tmp_path):
     path = tmp_path / "results.json"
     path.write_text(json.dumps({"info": {}, "runs": bad}))
     with pytest.raises((ValueError, SystemExit), match="order|duplicat"):
-        testbed.map_records([path])
+        testbed_map.map_records([path])
 
 
 def test_the_map_leaves_out_a_setting_until_its_grid_is_complete(monkeypatch):
-    monkeypatch.setattr(testbed, "MAP_SEEDS", 3)
+    monkeypatch.setattr(testbed_map, "MAP_SEEDS", 3)
     records = map_hand_records()
     extra = [{**r, "setting": "v2-L16", "turn_len": 16} for r in records
              if r["setting"] == "v2-L8" and r["seed"] < 2]           # 2 of 3 seeds so far
-    md = testbed.map_table(records + extra)
+    md = testbed_map.map_table(records + extra)
     assert "| L = 16 |" not in md and "| no verdict (v2) | 16 |" not in md
     assert "Not in the map until all their seeds are in: L = 16 (10 runs so far)" in md
-    full = testbed.complete(records + extra, seeds=3)
+    full = testbed_map.complete(records + extra, seeds=3)
     assert {r["setting"] for r in full} == {"v2-L8", "v1-L8"}
-    assert testbed.complete(records + extra, seeds=2) == records + extra
-    assert testbed.running(records) == ""
+    assert testbed_map.complete(records + extra, seeds=2) == records + extra
+    assert testbed_map.running(records) == ""

@@ -49,7 +49,10 @@ def test_the_layout_check_sees_imports_inside_functions(tmp_path, monkeypatch):
     assert imports_of("presets") == {"train_min", "mpo"}
 
 
-CORE = FILES + ("trainer/__init__",)                   # every core file: the root's and trainer/
+def core_files() -> list[str]:
+    """The core: FILES' root modules and every file in trainer/ (a new room included)."""
+    rooms = sorted(f"trainer/{p.stem}" for p in (ROOT / "trainer").glob("*.py"))
+    return [name for name in FILES if "/" not in name] + rooms
 
 
 def experiments_imports(name: str) -> set[str]:
@@ -67,9 +70,9 @@ def experiments_imports(name: str) -> set[str]:
 def test_the_core_imports_nothing_from_the_studies():
     """Issue 61: mpo, baselines, diagnostics, the two environments, trainer/, presets and
     train_min import nothing from experiments/ (the testbed's environment is testbed_env.py)."""
-    assert sorted(str(p.relative_to(ROOT))[:-3] for p in (ROOT / "trainer").glob("*.py")) == sorted(
-        name for name in CORE if name.startswith("trainer/")), "a trainer room missing from FILES"
-    assert {name: experiments_imports(name) for name in CORE} == {name: set() for name in CORE}
+    core = core_files()
+    assert {"mpo", "testbed_env", "presets", "train_min", "trainer/config"} < set(core)
+    assert {name: experiments_imports(name) for name in core} == {name: set() for name in core}
 
 
 def test_the_core_check_sees_study_imports(tmp_path, monkeypatch):
@@ -102,7 +105,8 @@ def test_the_docs_a_newcomer_reads_stay_short():
     assert first < 120, first
 
 
-STUDIES = ("launcher", "testbed", "grid", "testbed_why", "testbed_v4", "smol_study")
+STUDIES = ("launcher", "testbed_lib", "testbed_map", "testbed_v2", "testbed", "grid", "testbed_why",
+           "testbed_v4", "testbed_v4_beta", "smol_study")                 # in import order
 
 
 def study_imports(name: str) -> set[str]:
@@ -120,9 +124,25 @@ def study_imports(name: str) -> set[str]:
 
 def test_the_studies_import_downward_from_the_launcher():
     """Issue 52: experiments/launcher.py (one run, a grid of runs, the record files) imports no
-    study; testbed.py (v1-v3, the map) the launcher; grid.py (the paper grids) both, for its
-    `testbed` command; the later studies what they use, never grid.py."""
-    assert {name: study_imports(name) for name in STUDIES} == {
-        "launcher": set(), "testbed": {"launcher"}, "grid": {"launcher", "testbed"},
-        "testbed_why": {"launcher", "testbed"}, "testbed_v4": {"launcher", "testbed"},
-        "smol_study": {"launcher"}}
+    study; grid.py (the paper grids) the launcher and testbed.py, for its `testbed` command; the
+    later studies what they use, never grid.py. Issue 61: the testbed's files by job, downward:
+    testbed_lib.py (what the testbed studies share), testbed_map.py (the map), testbed_v2.py (v2,
+    v3), testbed.py (v1 and the command line of v1-v3)."""
+    graph = {name: study_imports(name) for name in STUDIES}
+    assert graph == {
+        "launcher": set(), "testbed_lib": {"launcher"}, "testbed_map": {"launcher", "testbed_lib"},
+        "testbed_v2": {"launcher", "testbed_lib", "testbed_map"},
+        "testbed": {"launcher", "testbed_lib", "testbed_v2"}, "grid": {"launcher", "testbed"},
+        "testbed_why": {"launcher", "testbed_lib"},
+        "testbed_v4": {"launcher", "testbed_lib", "testbed_map"},
+        "testbed_v4_beta": {"launcher", "testbed_lib", "testbed_v4"}, "smol_study": {"launcher"}}
+    order = {name: i for i, name in enumerate(STUDIES)}         # a topological order: no circle
+    assert all(order[dep] < order[name] for name, deps in graph.items() for dep in deps)
+
+
+def test_no_study_file_over_500_lines():
+    """Issue 61: a study in experiments/ (launcher.py, significance.py and benchmarks/ are not
+    studies) at most about 500 lines."""
+    sizes = {p.name: len(p.read_text().splitlines()) for p in (ROOT / "experiments").glob("*.py")
+             if p.name not in ("launcher.py", "significance.py")}
+    assert sizes and all(n <= 500 for n in sizes.values()), sorted(sizes.items(), key=lambda x: x[1])

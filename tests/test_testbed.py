@@ -18,7 +18,7 @@ import torch
 
 import mpo
 import presets
-from experiments.testbed import updates_to
+from experiments.testbed_lib import updates_to
 import testbed_env as te
 import train_min
 from helpers import run_main

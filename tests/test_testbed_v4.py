@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 import train_min
-from experiments import launcher, significance as sig, testbed
+from experiments import launcher, significance as sig, testbed_lib, testbed_map
 from experiments import testbed_v4 as v4
 from experiments import testbed_why as why
 
@@ -60,13 +60,13 @@ def test_a_record_keeps_the_credit_quality_of_its_policy_updates_and_every_turns
     marker = {"setting": "v4-K8", "regime": "v4", "variant": "mpo", "seed": 0, "turn_len": 16,
               "steps": 90, "warmup": 30,
               "structure": {f"ev_R_turn{k}": k / 8 for k in range(8)} | {"ev_R": 0.4}}
-    r = testbed.v2_record(marker, rows)
+    r = testbed_lib.v2_record(marker, rows)
     assert r["credit_corr"] == 0.5                        # the warm-up's updates left out
     assert r["credit_corr_turns"][:2] == [0.4, 0.6] and r["credit_corr_turns"][7] == 0.9
     assert r["credit_corr_turns"][2] is None and len(r["credit_corr_turns"]) == 8
     assert list(r["critic"]) == ["ev_R", *[f"ev_R_turn{k}" for k in range(8)]]
     assert r["critic"]["ev_R_turn7"] == 0.875
-    plain = testbed.v2_record({**marker, "warmup": 0},
+    plain = testbed_lib.v2_record({**marker, "warmup": 0},
                            [{k: x for k, x in row.items() if "credit" not in k} for row in rows])
     assert "credit_corr" not in plain                     # never logged: no field (v2, v3)
 
@@ -128,7 +128,7 @@ def test_report_writes_tables_and_page_sections(tmp_path, monkeypatch):
     page.write_text("a\n<!-- v4-tables:start -->\n<!-- v4-tables:end -->\nb\n")
     summary = tmp_path / "results.md"
     summary.write_text("<!-- v4-summary:start -->\n<!-- v4-summary:end -->\n")
-    monkeypatch.setattr(testbed, "TESTBED_PAGE", page)
+    monkeypatch.setattr(testbed_lib, "TESTBED_PAGE", page)
     monkeypatch.setattr(v4, "SUMMARY_PAGE", summary)
     monkeypatch.setattr(v4, "ROOT", tmp_path)
     monkeypatch.setattr(v4, "SEEDS", (0, 1, 2))
@@ -212,13 +212,14 @@ def test_the_map_tests_v4_in_its_own_family_as_its_page_does(monkeypatch):
     every variant against A and against GRPO), and adding them leaves the other studies' map
     cells as they were (their family is theirs)."""
     monkeypatch.setattr(v4, "SEEDS", (0, 1, 2))
-    monkeypatch.setattr(testbed, "MAP_SEEDS", 3)
+    monkeypatch.setattr(testbed_map, "MAP_SEEDS", 3)
     page = {(c["setting"], c["row"]): c for c in v4.paired(records()) if c["ref"] == "mpo"}
     other = [dict(r, setting="v3-d1-L16", regime="v3-d1", turn_len=16,
                   final=r["final"] + 0.01 * r["seed"] ** 2) for r in records()
              if r["setting"] == "v4-K2"]
-    alone = {(c["setting"], c["variant"]): c for c in testbed.map_comparisons(other)}
-    both = {(c["setting"], c["variant"]): c for c in testbed.map_comparisons(other + records())}
+    alone = {(c["setting"], c["variant"]): c for c in testbed_map.map_comparisons(other)}
+    both = {(c["setting"], c["variant"]): c
+            for c in testbed_map.map_comparisons(other + records())}
     assert {k for k in both if k[0].startswith("v4")} == set(page)
     for k, c in page.items():
         assert both[k]["mean"] == pytest.approx(-c["mean"])           # the map shows A − X
@@ -226,19 +227,19 @@ def test_the_map_tests_v4_in_its_own_family_as_its_page_does(monkeypatch):
         assert both[k]["family_size"] == 6
     for k, c in alone.items():
         assert both[k]["p_holm"] == c["p_holm"] and both[k]["family_size"] == 2
-    rows = testbed.map_rows(other + records())
+    rows = testbed_map.map_rows(other + records())
     assert [r[1] for r in rows] == ["v3-d1", "v4-K2", "v4-K8"]
-    md = testbed.map_table(other + records(), compact=True)
+    md = testbed_map.map_table(other + records(), compact=True)
     assert "| v4: K = 8 | 16 |" in md and "(v2, v3, streaming: 2; v4: 6)" in md
     assert "K: decisive turns" in md
-    full = testbed.map_table(other + records())
+    full = testbed_map.map_table(other + records())
     assert "v4: its page's 6, against A and GRPO" in full
 
 
 def test_collect_keeps_only_the_seeds_it_is_given(tmp_path, monkeypatch):
     """`collect --seeds ...` writes whole seeds: a seed whose runs are still going (here seed 2's
     finished runs) stays out of the raw file, and a later collect adds it."""
-    monkeypatch.setattr(v4.testbed, "collect_v2", lambda out, field: records())
+    monkeypatch.setattr(v4.testbed_lib, "collect_v2", lambda out, field: records())
     results = tmp_path / "results.json"
     saved = v4.save(tmp_path, results, ["collect"], seeds=(0, 1))
     assert {r["seed"] for r in saved} == {0, 1} and len(saved) == 10

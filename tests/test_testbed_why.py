@@ -12,16 +12,16 @@ import torch
 import mpo
 import trainer.config
 import train_min
-from experiments import launcher, significance as sig, testbed
+from experiments import launcher, significance as sig, testbed_lib, testbed_v2
 from experiments import testbed_why as why
 
 
 def v3_argv(variant: str, seed: int) -> list[str]:
     """v3's own job for (d = 1, L = 16, variant, seed), out_dir removed."""
     args = argparse.Namespace(v3=True, turn_lens=[16], delays=[1], variants=[variant],
-                              seeds=[seed], steps=testbed.V2_STEPS, out=Path("/x"),
+                              seeds=[seed], steps=testbed_lib.V2_STEPS, out=Path("/x"),
                               cache=Path("/c"))
-    [job] = testbed.v2_jobs(args, [])
+    [job] = testbed_v2.v2_jobs(args, [])
     argv = job["argv"]
     i = argv.index("--out_dir")
     return argv[:i] + argv[i + 2:]
@@ -38,7 +38,7 @@ def test_every_arm_is_v3s_run_plus_its_own_flags_and_nothing_else():
         own = argv[:i] + argv[i + 2:]
         expected = v3_argv(variant, 3)
         if arm.startswith("warmup"):      # 30 critic-only updates on top of the 60
-            expected[expected.index("--steps") + 1] = str(testbed.V2_STEPS + why.WARMUP)
+            expected[expected.index("--steps") + 1] = str(testbed_lib.V2_STEPS + why.WARMUP)
             assert job["meta"]["warmup"] == why.WARMUP
         assert own == expected + flags, arm
         assert job["meta"]["setting"] == "v3-d1-L16" and Path(job["out"]).name == \
@@ -80,11 +80,11 @@ def test_a_warm_up_run_is_scored_by_policy_update():
              **({"val/reward": s / 100} if s % 5 == 0 else {})} for s in range(1, 91)]
     marker = {"setting": "v3-d1-L16", "regime": "v3-d1", "variant": "mpo", "seed": 0,
               "turn_len": 16, "steps": 90, "warmup": 30, "arm": "warmup30"}
-    r = testbed.v2_record(marker, rows)
+    r = testbed_lib.v2_record(marker, rows)
     assert [s for s, _ in r["curve"]] == list(range(5, 61, 5))      # 12 policy-update points
     assert r["final"] == 0.9 and r["auc"] == pytest.approx(sum(range(35, 91, 5)) / 12 / 100)
     assert r["ev_at_warmup_end"] == 0.3 and r["arm"] == "warmup30"
-    plain = testbed.v2_record({**marker, "warmup": 0, "steps": 60}, rows[:60])
+    plain = testbed_lib.v2_record({**marker, "warmup": 0, "steps": 60}, rows[:60])
     assert [s for s, _ in plain["curve"]][0] == 5 and "ev_at_warmup_end" not in plain
 
 
@@ -124,7 +124,7 @@ def test_report_writes_the_tables_and_the_page_section(tmp_path, monkeypatch):
     launcher.write_results(results, {"command": "test"}, study_records())
     page = tmp_path / "testbed.md"
     page.write_text("a\n<!-- why-tables:start -->\n<!-- why-tables:end -->\nb\n")
-    monkeypatch.setattr(testbed, "TESTBED_PAGE", page)
+    monkeypatch.setattr(testbed_lib, "TESTBED_PAGE", page)
     summary = tmp_path / "results.md"
     summary.write_text("<!-- why-summary:start -->\n<!-- why-summary:end -->\n")
     monkeypatch.setattr(why, "SUMMARY_PAGE", summary)
