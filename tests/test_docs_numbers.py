@@ -5,8 +5,7 @@ fails here."""
 import json
 import statistics
 
-from experiments import launcher, significance as sig, testbed_map
-from experiments import testbed_lib as tb
+from experiments import launcher, significance as sig, testbed as tb
 
 ROOT = launcher.ROOT
 DOCS = ROOT / "docs"
@@ -57,7 +56,7 @@ def test_v3_records_with_unsaved_uncommitted_changes():
 
 
 def test_results_holm_p_of_the_grpo_loss_at_d1_l16():
-    comps = testbed_map.map_comparisons(testbed_map.map_records())
+    comps = tb.map_comparisons(tb.map_records())
     [c] = [c for c in comps if c["setting"] == "v3-d1-L16" and c["variant"] == "grpo"]
     assert f"{c['p_holm']:.3g}" == "0.0135"
     assert (f"Loss at v3 d = 1 L = 16 ({100 * c['mean']:+.1f} ± {100 * c['se']:.1f}, "
@@ -92,13 +91,12 @@ def test_smol_turn_confirmation_commits_of_seeds_0_and_1():
 
 
 def test_readme_counts_of_mpo_against_the_critic_based_token_methods():
-    comps = [c for c in testbed_map.map_comparisons(testbed_map.map_records())
+    comps = [c for c in tb.map_comparisons(tb.map_records())
              if c["variant"] in ("ppo", "vapo") and c["setting"].startswith(("v2", "v3"))]
     wins = [c for c in comps if c["verdict"] == "win"]
     ties = sorted(c for c in (round(100 * c["mean"]) for c in comps if c["verdict"] == "tie"))
     assert (len(wins), len(comps), ties) == (8, 10, [13, 30])
-    v4_ppo = {c["setting"]: c["verdict"]
-              for c in testbed_map.map_comparisons(testbed_map.map_records())
+    v4_ppo = {c["setting"]: c["verdict"] for c in tb.map_comparisons(tb.map_records())
               if c["variant"] == "ppo" and c["setting"].startswith("v4")}
     assert v4_ppo == {"v4-K2": "win", "v4-K4": "win", "v4-K8": "win", "v4-K4-nofb": "tie"}
     assert ("(v2–v3: 8 wins in the 10 such comparisons outside streaming; PPO at v2 L = 8, +13, "
@@ -143,6 +141,10 @@ def test_v4_prose_numbers_come_from_its_raw_file():
     def final(r):
         return r["final"]
     flat = max(mean(st, v, ev) for st in v4.SETTINGS for v in ("mpo", "mpo_token_is", "ppo"))
+    turn_ev, where = max((mean(st, v, lambda r: r["critic"][f"ev_R_turn{k}"]), (st, v, k))
+                         for st in v4.SETTINGS for v in ("mpo", "mpo_token_is", "ppo")
+                         for k in range(v4.SETTINGS[st][0]))
+    assert (f"{flat:.2f}", f"{turn_ev:.2f}", where) == ("0.04", "0.08", ("v4-K4", "ppo", 3))
     nofb = max(mean("v4-K4-nofb", v, ev) for v in v4.CRITIC_VARIANTS)
     shares = [mean(st, "mpo_beta0", lambda r: r["critic"]["between_share_token_median"])
               for st in K]
@@ -152,6 +154,29 @@ def test_v4_prose_numbers_come_from_its_raw_file():
     c_grpo_p = ", ".join(p(st, "mpo_beta0", "grpo") for st in K)
     holm_ca = [c(st, "mpo_beta0", "mpo")[0]["p_holm"] for st in K]
     a_ppo_holm = max(c(st, "mpo", "ppo")[0]["p_holm"] for st in K)
+    assert f"{a_ppo_holm:.3g}" == "0.0303" and a_ppo_holm <= 0.0303     # not "≤ 0.030"
+    # the critic methods' 30 critic-only updates each draw a rollout batch: 90 against GRPO's 60
+    assert {r.get("warmup") for st in K for v in v4.CRITIC_VARIANTS for r in cells[(st, v)]} == {30}
+    assert {r.get("warmup") for st in K for r in cells[(st, "grpo")]} == {None}
+    batches = f"{v4.STEPS + v4.WARMUP} rollout batches to GRPO's {v4.STEPS}"
+
+    def equal(st, v):
+        """v at its 30th policy update (60 rollout batches) minus GRPO at its 60th, by seed."""
+        g = {r["seed"]: r["final"] for r in cells[(st, "grpo")]}
+        x = {r["seed"]: v4.at_update(r, v4.STEPS - r["warmup"]) for r in cells[(st, v)]}
+        t = sig.paired_t([x[s] for s in v4.SEEDS], [g[s] for s in v4.SEEDS])
+        return f"{sig.signed(t['mean'])} ± {100 * t['se']:.1f}"
+    c_equal = ", ".join(equal(st, "mpo_beta0") for st in K)
+    assert c_equal == "−10.5 ± 4.0, −12.7 ± 3.9, −2.7 ± 2.3"
+    # the family of 40 holds each A − GRPO twice (once per sign): 36 distinct tests
+    tests = [x for x in comps.values() if x["p"] is not None]
+    distinct = {(x["setting"], frozenset((x["row"], x["ref"]))): x for x in tests}
+    once = dict(zip(distinct, sig.holm([x["p"] for x in distinct.values()])))
+    changed = [(k, x["p_holm"], once[k]) for k, x in distinct.items()
+               if (x["p_holm"] < sig.ALPHA) != (once[k] < sig.ALPHA)]
+    assert (len(tests), len(distinct), len(changed)) == (40, 36, 1)
+    [(key, p40, p36)] = changed
+    assert key == ("v4-K4-nofb", frozenset(("ppo", "grpo")))
     seeds = [s for s in v4.SEEDS]
     eq = {}
     for v in ("mpo", "mpo_beta0"):
@@ -164,7 +189,12 @@ def test_v4_prose_numbers_come_from_its_raw_file():
         f"(K = 8: {two(mean('v4-K8', 'mpo_beta0', lambda r: r['critic']['ev_R_turn0']))} on "
         f"turn 0, {two(mean('v4-K8', 'mpo_beta0', lambda r: r['critic']['ev_R_turn7']))} on "
         f"turn 7) and {min(shares):.2f}–{max(shares):.2f} of its value variance",
-        f"no critic learned (EV {flat:.2f} at most, in every setting)",
+        f"no critic learned (EV {flat:.2f} at most, in every setting, on all action tokens; on one "
+        f"turn {turn_ev:.2f} at most: PPO, K = 4, turn 3)",
+        f"{batches}: at equal samples (its 30th policy update) it is behind ({c_equal})",
+        f"{len(tests)} comparisons (the tables above; the predictions row by row beside the "
+        f"measurements; {len(distinct)} distinct: counted once, one verdict changes, GRPO − PPO "
+        f"without verdicts, Holm {sig.fmt_p(p40)} → {sig.fmt_p(p36)})",
         f"no critic predicts (EV {nofb:.2f} at most)",
         f"{min(ratio['mpo']):.2f}–{max(ratio['mpo']):.2f} times GRPO's at every K",
         "C's ratio grows with K (" + ", ".join(f"{x:.2f}" for x in ratio["mpo_beta0"]) + ")",
@@ -181,7 +211,7 @@ def test_v4_prose_numbers_come_from_its_raw_file():
         "C − A (" + ", ".join(d(st, "mpo_beta0", "mpo") for st in K)
         + f"; Holm {sig.fmt_p(min(holm_ca))}–{sig.fmt_p(max(holm_ca))})",
         "A beats PPO at every K with verdicts (" + ", ".join(d(st, "mpo", "ppo") for st in K)
-        + f"; Holm ≤ {sig.fmt_p(a_ppo_holm)}; without verdicts {d('v4-K4-nofb', 'mpo', 'ppo')}, "
+        + f"; Holm ≤ {a_ppo_holm:.3g}; without verdicts {d('v4-K4-nofb', 'mpo', 'ppo')}, "
         f"Holm {p('v4-K4-nofb', 'mpo', 'ppo', 'p_holm')})",
         f"ahead of A at K = 8 ({d('v4-K8', 'sao', 'mpo', True)}, Holm "
         f"{p('v4-K8', 'sao', 'mpo', 'p_holm')}: the map's one v4 loss)",
@@ -189,22 +219,49 @@ def test_v4_prose_numbers_come_from_its_raw_file():
     ]:
         assert sentence in testbed, sentence
     assert [c(st, "mpo_beta0", "grpo")[0]["p_holm"] >= sig.ALPHA for st in K] == [True] * 3
-    loss = [x for x in testbed_map.map_comparisons(testbed_map.map_records())
+    loss = [x for x in tb.map_comparisons(tb.map_records())
             if x["setting"].startswith("v4") and x["verdict"] == "loss"]
     assert [(x["setting"], x["variant"]) for x in loss] == [("v4-K8", "sao")]
     results = page("docs/results.md")
     for sentence in [f"(C − GRPO {c_grpo}; p {c_grpo_p}; none survives Holm) and level without "
                      f"them ({d('v4-K4-nofb', 'mpo_beta0', 'grpo', True)})",
                      "(GRPO − A " + ", ".join(d(st, "grpo", "mpo") for st in K) + ")",
-                     f"learned nothing (EV {flat:.2f} at most)",
-                     f"(Holm ≤ {sig.fmt_p(a_ppo_holm)})",
+                     f"learned nothing (EV {flat:.2f} at most on all tokens, {turn_ev:.2f} on "
+                     "one turn)",
+                     f"(Holm ≤ {a_ppo_holm:.3g})",
+                     f"40 comparisons ({len(distinct)} distinct",
+                     f"them (−0.9 ± 5.0), after {batches}: at equal samples (its 30th policy "
+                     f"update) it is behind ({c_equal})",
                      f"at K = 8 ({d('v4-K8', 'sao', 'mpo', True)}, Holm "
                      f"{p('v4-K8', 'sao', 'mpo', 'p_holm')})"]:
         assert sentence in results, sentence
     readme = page("README.md")
     assert ("(" + ", ".join(d(st, "mpo_beta0", "grpo") for st in K) + f" at K = 2, 4, 8; p "
-            f"{c_grpo_p}; none survives Holm); level without verdicts "
-            f"({d('v4-K4-nofb', 'mpo_beta0', 'grpo')})") in readme
+            f"{c_grpo_p}; none survives Holm) after {batches} (at equal samples "
+            + ", ".join(equal(st, "mpo_beta0").split(" ±")[0] for st in K) + "); level without "
+            f"verdicts ({d('v4-K4-nofb', 'mpo_beta0', 'grpo')})") in readme
+
+
+def test_v4_generated_header_names_both_commits_and_the_familys_distinct_tests():
+    """The v4 section's header (docs/testbed.md and its record) names the commit of the 240
+    planned runs and that of the added arm, and says the family of 40 holds 36 distinct tests."""
+    from experiments import testbed_v4 as v4
+    records, added = v4.load(), v4.load(added=True)
+
+    def commits(rs):
+        return sorted({c["commit"] for r in rs for c in r["code"]})
+    assert (commits(records), commits(added)) == (["fbf890a"], ["c3f2878"])
+    comps = v4.paired(records)
+    tested = [c for c in comps if c["p"] is not None]
+    distinct = {(c["setting"], frozenset((c["row"], c["ref"]))) for c in tested}
+    assert (len(tested), len(distinct), v4.mirrored(comps)) == (40, 36, 4)
+    for name in ("docs/testbed.md", "docs/records/testbed/v4-tables.md"):
+        text = page(name)
+        assert (f"code: {commits(records)[0]}, 0 with a saved diff" in text
+                and f"The added arm ({len(added)} runs): code {commits(added)[0]}, 0 with a saved "
+                "diff." in text), name
+        assert (f"the family's {len(tested)} hold {len(distinct)} distinct tests, each A − GRPO "
+                "also as GRPO − A" in text), name
 
 
 def test_v4_added_arm_prose_numbers_come_from_its_raw_file():
@@ -288,6 +345,11 @@ def test_v4_beta_probe_prose_numbers_come_from_its_raw_file():
 
     K4, K8 = "v4-K4", "v4-K8"
     position = max(abs(statistics.mean(m(s, "position", w))) for s in (K4, K8) for w in beta.WHICH)
+    pos_a = max(abs(statistics.mean(m(s, "position"))) for s in (K4, K8))
+    pos_c = abs(statistics.mean(m(K4, "position", "mpo_beta0")))
+    assert position == pos_c > 0.10                      # C's at K = 4 (0.1015): not "≤ 0.10"
+    last_c = [f"{100 * statistics.mean(m(s, 'delta_share_last', 'mpo_beta0')):.0f}"
+              for s in (K8, K4)]
     record = page("docs/records/testbed/v4-beta-probe.md")
     for sentence in [
         f"(merit {ms(K4, 'merit')} at K = 4, {ms(K8, 'merit')} at K = 8; predicted > 0.3)",
@@ -297,7 +359,8 @@ def test_v4_beta_probe_prose_numbers_come_from_its_raw_file():
         f"({mean(K4, 'key_credit_beta1')} against {mean(K4, 'key_credit_beta0')} at K = 4, "
         f"{mean(K8, 'key_credit_beta1')} against {mean(K8, 'key_credit_beta0')} at K = 8;",
         f"The key token holds {pct(K4, 'mass_key')} % of the mass",
-        f"(|corr| ≤ {position:.2f})",
+        f"(|corr| ≤ {pos_a:.2f}; {pos_c:.2f} on C's critic at K = 4)",
+        f"% of Σδ² (C's critic: {last_c[0]}–{last_c[1]} %)",
         f"follows the verdict ({ms(K4, 'delta_last_vs_verdict')}, "
         f"{ms(K8, 'delta_last_vs_verdict')}) and carries {pct(K8, 'delta_share_last')}–"
         f"{pct(K4, 'delta_share_last')} % of Σδ²",
@@ -384,8 +447,14 @@ def test_v4_causal_arms_prose_numbers_come_from_their_raw_files():
             f"{d('d1', 'd')}, p {sig.fmt_p(t[('d1', 'd')]['p'])}, predicted and not significant), "
             f"but by C falling, not A rising ({ms('A1').split(' ±')[0]} against "
             f"{ms('A').split(' ±')[0]})") in testbed
-    assert (f"A − C shrinks to {d('A1', 'C1')}, but by C falling (A {ms('A1').split(' ±')[0]} vs "
-            f"{ms('A').split(' ±')[0]})") in page("docs/results.md")
+    assert (f"A did not move ({ms('A1').split(' ±')[0]} vs {ms('A').split(' ±')[0]}) and A − C "
+            f"shrinks to {d('A1', 'C1')} as C falls ({d('C1', 'C')}: its λ-return target changes "
+            "too)") in page("docs/results.md")
+    assert t[("A1", "A")]["p"] > 0.5 and abs(t[("A1", "A")]["mean"]) < 0.01     # "did not move"
+    assert (f"(30.9 against 30.5); the arm also changes the critic's λ-return target "
+            f"(C {d('C1', 'C')})") in testbed
+    assert ms("A1").startswith("30.9") and ms("A").startswith("30.5")
+    assert "(λ_intra = 1 did not move A)" in page("README.md")
 
 
 def test_why_section_prose_numbers_come_from_its_raw_file():
@@ -431,15 +500,35 @@ def test_why_section_prose_numbers_come_from_its_raw_file():
         "(+5.6 ± 4.3 with the warm-up, −1.2 ± 5.9 with the turn critic",
     ]
     assert diff(wC, G) == "+5.6 ± 4.3" and diff(tc, G) == "−1.2 ± 5.9"
+    equal = diff(wC, G, row_step=30, ref_step=60)     # the warm-up's 30th update, GRPO's 60th
+    assert equal == "−31.6 ± 8.3"
+    assert {r.get("warmup") for r in records if r["arm"] == "warmup30"} == {30}
+
+    def share(row, ref):                              # row − ref as a share of the gap GRPO − A
+        step, gap = [statistics.mean(x[s] - y[s] for s in why.SEEDS)
+                     for x, y in ((by_seed(*row), by_seed(*ref)), (by_seed(*G), by_seed(*A)))]
+        return f"{step / gap:.2f}"
+    shares = [share(C, A), share(wA, A), share(wC, C)]
+    assert shares == ["0.78", "0.63", "0.44"]         # each alone, none "the gap's size"
     summary = page("docs/results.md")                 # the same numbers in the results page
-    for sentence in (f"(C − A {diff(C, A)}; λ_intra = 1 recovers "
+    for sentence in (f"each measured alone against the {diff(G, A).split(' ±')[0].lstrip('+')}-"
+                     f"point gap",
+                     f"(C − A {diff(C, A)}, {shares[0]} of the gap; λ_intra = 1 recovers "
                      f"{diff(('lam_intra1', 'mpo'), A).split(' ±')[0]})",
                      f"(30 critic-only updates: C {diff(wC, C).split(' ±')[0]}, A "
-                     f"{diff(wA, A).split(' ±')[0]})",
-                     f"(warm-up {diff(wC, G)}, turn critic {diff(tc, G)};",
+                     f"{diff(wA, A).split(' ±')[0]}; {shares[2]} and {shares[1]} of it)",
+                     f"(warm-up {diff(wC, G)}, turn critic {diff(tc, G)}; the warm-up spends 30 "
+                     f"more rollout batches, {equal} at equal samples, the turn critic none)",
                      f"falls to A's level ({diff(('dr_grpo', 'grpo'), G)} against GRPO)"):
         assert sentence in summary, sentence
+    assert (f"(+5.6 ± 4.3 with the warm-up, after 30 more rollout batches: {equal} at equal "
+            f"samples; {diff(tc, G)} with the turn critic, at equal samples)"
+            ) in page("docs/testbed.md")
     text = page("docs/records/testbed.md")
+    for sentence in (f"(β = 1: {shares[0]} of the gap; the warm-up: {shares[1]} of it on A, "
+                     f"{shares[2]} on C)",
+                     f"the warm-up after 30 more rollout batches (at equal samples {equal})"):
+        assert sentence in text, sentence
     for sentence in expected:
         assert sentence in text, sentence
 
@@ -468,8 +557,24 @@ def test_readme_why_line_comes_from_the_mechanism_arms():
     readme = page("README.md")
     assert f"β = 1 (C − A {text(('control', 'mpo_beta0'), ('control', 'mpo')).split(' ±')[0]})" \
         in readme
-    assert (f"(turn critic {text(('turn_critic', 'mpo_beta0'), G)}, warm-up "
-            f"{text(('warmup30', 'mpo_beta0'), G)})") in readme
+    assert (f"(turn critic {text(('turn_critic', 'mpo_beta0'), G)}; a 30-batch warm-up "
+            f"{text(('warmup30', 'mpo_beta0'), G)}, −31.6 ± 8.3 at equal samples)") in readme
+    # the warm-up's 30th policy update (60 batches) against GRPO's 60th, by seed
+    curve = {(r["arm"], r["variant"], r["seed"]): dict(map(tuple, r["curve"])) for r in records}
+    eq = sig.paired_t([curve[("warmup30", "mpo_beta0", s)][30] for s in why.SEEDS],
+                      [curve[("control", "grpo", s)][60] for s in why.SEEDS])
+    assert f"{sig.signed(eq['mean'])} ± {100 * eq['se']:.1f}" == "−31.6 ± 8.3"
+
+
+def test_testbed_why_question_names_both_runs_of_c():
+    """docs/testbed.md's "Asks" quotes C at 74.7 % from v3's runs beside the re-run's 75.6."""
+    from experiments import testbed_why as why
+    v3 = cell_mean(runs(tb.V3_RESULTS), "v3-d1-L16", "mpo_beta0", lambda r: r["final"])
+    rerun = statistics.mean(r["final"] for r in runs(why.RESULTS) if r["arm"] == "control"
+                            and r["variant"] == "mpo_beta0" and r["seed"] in why.SEEDS)
+    assert (f"{100 * v3:.1f}", f"{100 * rerun:.1f}") == ("74.7", "75.6")
+    assert (f"C's (β = 0) {100 * v3:.1f} % (v3's runs; {100 * rerun:.1f} in the re-run below)"
+            in page("docs/testbed.md"))
 
 
 def test_why_tuning_prose_numbers_come_from_its_raw_file():
