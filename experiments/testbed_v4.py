@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from experiments import launcher, significance as sig, testbed  # noqa: E402
+from experiments import launcher, significance as sig, testbed_lib, testbed_map  # noqa: E402
 
 ROOT = launcher.ROOT
 TURN_LEN, STEPS, WARMUP = 16, 60, 30
@@ -56,12 +56,12 @@ RESULTS = ROOT / "docs" / "testbed" / "v4" / "results.json"
 RECORD_TABLES = ROOT / "docs" / "records" / "testbed" / "v4-tables.md"
 PAGE_SECTION, SUMMARY_SECTION = "v4-tables", "v4-summary"
 SUMMARY_PAGE = ROOT / "docs" / "results.md"
-SHORT = testbed.SHORT
+SHORT = testbed_lib.SHORT
 
 
 def flags(setting: str, variant: str, rates: tuple | None = None) -> list[str]:
-    """The train_min flags of one run after the common ones (testbed.testbed_job); `rates` (policy,
-    critic) replace the variant's tuned ones (the added arms)."""
+    """The train_min flags of one run after the common ones (testbed_lib.testbed_job); `rates`
+    (policy, critic) replace the variant's tuned ones (the added arms)."""
     K, feedback = SETTINGS[setting]
     policy, critic = rates or TUNED[variant]
     out = [*BASE_FLAGS, "--testbed_turns", str(K), "--testbed_feedback",
@@ -79,11 +79,11 @@ def job(root: Path, cache: Path, setting: str, variant: str, seed: int, extra: l
     K, feedback = SETTINGS[setting]
     warmup = WARMUP if variant in CRITIC_VARIANTS else 0
     rates = ADDED[arm][1] if arm else TUNED[variant]
-    return testbed.testbed_job(root, f"{arm}-{setting}" if arm else setting, variant, seed,
-                               STEPS + warmup, TURN_LEN, [*flags(setting, variant, rates), *extra],
-                               {"setting": setting, "regime": "v4", "turns": K,
-                                "feedback": feedback, "warmup": warmup, "streaming": False,
-                                "lr": list(rates), **({"arm": arm} if arm else {})}, cache)
+    return testbed_lib.testbed_job(
+        root, f"{arm}-{setting}" if arm else setting, variant, seed, STEPS + warmup, TURN_LEN,
+        [*flags(setting, variant, rates), *extra],
+        {"setting": setting, "regime": "v4", "turns": K, "feedback": feedback, "warmup": warmup,
+         "streaming": False, "lr": list(rates), **({"arm": arm} if arm else {})}, cache)
 
 
 def jobs(root: Path, cache: Path, extra: list[str], seeds=SEEDS) -> list[dict]:
@@ -125,7 +125,7 @@ def save(out: Path, results: Path, argv: list[str], seeds=SEEDS) -> list[dict]:
     """The finished runs' records of `seeds` into results (keeping committed records whose run
     folder is gone), each sitting's diff copied beside them (diffs/). `collect --seeds 0 1 2`
     leaves out a seed whose runs are still going, so the raw file holds whole seeds."""
-    found = [r for r in testbed.collect_v2(out, "regime") if r["seed"] in seeds]
+    found = [r for r in testbed_lib.collect_v2(out, "regime") if r["seed"] in seeds]
     records, kept = launcher.merge_records(results, found, key, order)
     return launcher.save_study(out, results, [r for r in records if r["regime"] == "v4"], run_name,
                                "python experiments/testbed_v4.py " + " ".join(argv),
@@ -427,10 +427,10 @@ def report(results: Path = RESULTS) -> str:
     if results.resolve() == RESULTS.resolve():           # the committed study: its record page
         RECORD_TABLES.write_text("# Testbed v4, several decisive turns: the full tables "
                                  "(generated)\n\n" + body.replace("](testbed/", "](../../testbed/"))
-    launcher.update_page(testbed.TESTBED_PAGE, PAGE_SECTION, compact)
+    launcher.update_page(testbed_lib.TESTBED_PAGE, PAGE_SECTION, compact)
     launcher.update_page(SUMMARY_PAGE, SUMMARY_SECTION, trend_table(records))
     if results.resolve() == RESULTS.resolve():        # the committed records: the map reads them
-        testbed.write_map()
+        testbed_map.write_map()
     print(body)
     return body
 

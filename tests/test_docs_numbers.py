@@ -5,7 +5,8 @@ fails here."""
 import json
 import statistics
 
-from experiments import launcher, significance as sig, testbed as tb
+from experiments import launcher, significance as sig, testbed_map
+from experiments import testbed_lib as tb
 
 ROOT = launcher.ROOT
 DOCS = ROOT / "docs"
@@ -56,7 +57,7 @@ def test_v3_records_with_unsaved_uncommitted_changes():
 
 
 def test_results_holm_p_of_the_grpo_loss_at_d1_l16():
-    comps = tb.map_comparisons(tb.map_records())
+    comps = testbed_map.map_comparisons(testbed_map.map_records())
     [c] = [c for c in comps if c["setting"] == "v3-d1-L16" and c["variant"] == "grpo"]
     assert f"{c['p_holm']:.3g}" == "0.0135"
     assert (f"Loss at v3 d = 1 L = 16 ({100 * c['mean']:+.1f} ± {100 * c['se']:.1f}, "
@@ -91,12 +92,13 @@ def test_smol_turn_confirmation_commits_of_seeds_0_and_1():
 
 
 def test_readme_counts_of_mpo_against_the_critic_based_token_methods():
-    comps = [c for c in tb.map_comparisons(tb.map_records())
+    comps = [c for c in testbed_map.map_comparisons(testbed_map.map_records())
              if c["variant"] in ("ppo", "vapo") and c["setting"].startswith(("v2", "v3"))]
     wins = [c for c in comps if c["verdict"] == "win"]
     ties = sorted(c for c in (round(100 * c["mean"]) for c in comps if c["verdict"] == "tie"))
     assert (len(wins), len(comps), ties) == (8, 10, [13, 30])
-    v4_ppo = {c["setting"]: c["verdict"] for c in tb.map_comparisons(tb.map_records())
+    v4_ppo = {c["setting"]: c["verdict"]
+              for c in testbed_map.map_comparisons(testbed_map.map_records())
               if c["variant"] == "ppo" and c["setting"].startswith("v4")}
     assert v4_ppo == {"v4-K2": "win", "v4-K4": "win", "v4-K8": "win", "v4-K4-nofb": "tie"}
     assert ("(v2–v3: 8 wins in the 10 such comparisons outside streaming; PPO at v2 L = 8, +13, "
@@ -219,7 +221,7 @@ def test_v4_prose_numbers_come_from_its_raw_file():
     ]:
         assert sentence in testbed, sentence
     assert [c(st, "mpo_beta0", "grpo")[0]["p_holm"] >= sig.ALPHA for st in K] == [True] * 3
-    loss = [x for x in tb.map_comparisons(tb.map_records())
+    loss = [x for x in testbed_map.map_comparisons(testbed_map.map_records())
             if x["setting"].startswith("v4") and x["verdict"] == "loss"]
     assert [(x["setting"], x["variant"]) for x in loss] == [("v4-K8", "sao")]
     results = page("docs/results.md")
