@@ -19,8 +19,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tutorial" / "mpo_tutorial.py"
-FIGURES = ("fig1_worked_example.png", "fig2_grpo_ppo_mpo.png", "fig2b_long_turns_log.png",
-           "fig4_shared_vs_stopgrad_gradients.png", "fig5_turn_vs_token_surrogate.png")
+CHAPTERS = sorted((ROOT / "tutorial").glob("ch[0-9]_*.py"))
+TEXT = "\n".join(p.read_text() for p in [SCRIPT, *CHAPTERS])       # the runner, then chapters 1-8
+FIGURES = ("fig1_worked_example.png", "fig2_grpo_ppo_mpo.png", "fig3_long_turns_log.png",
+           "fig4_shared_vs_stopgrad_gradients.png", "fig5_turn_vs_token_surrogate.png",
+           "fig6_beta_factors.png")
 FLOAT = r"([-+]?(?:\d+\.?\d*(?:e[-+]?\d+)?|inf|nan))"
 
 
@@ -67,7 +70,7 @@ def test_output_has_no_negative_zero_and_no_long_floats(tutorial):
     assert not re.search(r"-0\.0+\b(?!\d)", stdout), "a negative zero is printed"
     assert not re.search(r"\d\.\d{9,}", stdout), "a float is printed with 9+ decimals"
     assert not re.search(r"policy_loss [-+]?\d\.\de-1\d", stdout)
-    assert "property 8" not in SCRIPT.read_text()
+    assert "property 8" not in TEXT
 
 
 def test_whitening_batch_of_one_flips_the_success_and_a_group_fixes_it(tutorial):
@@ -88,9 +91,8 @@ def test_critic_targets_mae_lambda_return_and_true_return(tutorial):
     assert numbers(stdout, r"turn 2, last \(pos 53\)\s+{f}\s+{f}\s+{f}") == [1.1155, 1.0, 1.0]
     assert numbers(stdout, r"turn 0, first \(pos 4\)\s+{f}\s+{f}\s+{f}") == [0.8234, 0.6855, 1.0]
     assert numbers(stdout, r"turn 1, last \(pos 26\)\s+{f}\s+{f}\s+{f}") == [0.9795, 0.94, 1.0]
-    text = SCRIPT.read_text()
-    section6 = text[text.index("## 6. MPO in your own trainer"):text.index("## 7. Details that bite")]
-    assert 'critic_target="lambda_return"' in section6               # the trainer's default target
+    section7 = TEXT[TEXT.index("## 7. MPO in your own trainer"):TEXT.index("## 8. Details that bite")]
+    assert 'critic_target="lambda_return"' in section7               # the trainer's default target
 
 
 def test_shared_ratio_gradient_is_turn_length_times_the_stop_gradient_mean(tutorial):
@@ -179,8 +181,7 @@ def test_exercise_answers(tutorial):
         0.2, 0.4, 0.1, 0.584, 0.48, 0.1]
     assert numbers(stdout, r"answer 4\. ρ_t = e\^0\.3 = {f} > 1\.2.* = {f}$".replace("$", "\n")) == [1.3499, 0.0749]
     assert numbers(stdout, r"answer 5\. token GAE 0\.95\^599 = {f}; turn GAE 0\.8\^2 = {f}") == [4.5e-14, 0.64]
-    text = SCRIPT.read_text()
-    exercises = text[text.index("## 8. Exercises"):]
+    exercises = TEXT[TEXT.index("## 9. Exercises"):]
     assert len(re.findall(r"^# [1-9]\. ", exercises, re.M)) >= 3                 # 3 to 5 questions
 
 
@@ -232,3 +233,84 @@ def test_api_reference_signatures_match_mpo():
     for name, documented in sections:
         home = next(m for m in (mpo, baselines, diagnostics) if hasattr(m, name))
         assert documented == f"{name}{inspect.signature(getattr(home, name), eval_str=True)}", name
+
+
+def test_beta_factors_per_position_from_the_enumeration(tutorial):
+    """Issue 64: 1 + β(1 − w_i) under a perfect critic, 1 + β(λ^{L−i} − mean λ^{L−j}) under a
+    boundary critic, from an exact enumeration through mpo.py; whitening rescales them."""
+    stdout, _ = tutorial
+    assert numbers(stdout, r"perfect critic, β = 1\.0, L = 4: factors {f} / {f} / {f} / {f}; mean {f}") == [
+        1.75, 1.5125, 1.2869, 1.0725, 1.4055]
+    assert numbers(stdout, r"perfect critic, β = 0\.5, L = 4: factors {f} / {f} / {f} / {f}; mean {f}") == [
+        1.375, 1.2563, 1.1434, 1.0363, 1.2027]
+    assert numbers(stdout, r"boundary critic, β = 1\.0, L = 4: factors {f} / {f} / {f} / {f}; mean {f}") == [
+        0.9299, 0.975, 1.0225, 1.0725, 1.0]
+    for critic in ("perfect", "boundary"):
+        assert numbers(stdout, critic + r" critic, β = 0\.0, L = 4: factors {f} / {f} / {f} / {f}") == [1.0] * 4
+    assert numbers(stdout, r"perfect critic, whitened: s = {f} / {f} / {f} at .*: {f} / {f} / {f} / {f}") == [
+        0.1897, 0.1932, 0.2032, 1.6332, 1.4115, 1.201, 1.0009]
+    assert numbers(stdout, r"boundary critic, whitened: s = {f} / {f} / {f} at .*: {f} / {f} / {f} / {f}") == [
+        0.1897, 0.1897, 0.1899, 0.9286, 0.9737, 1.0211, 1.071]
+
+
+def test_token_is_on_mae_overestimates_by_the_mean_beta_factor(tutorial):
+    stdout, _ = tutorial
+    assert numbers(stdout, r"token IS on A\^MAE, L = 4, η = 0\.5: {f} against the true {f} \(token surrogate "
+                           r"on R − V {f}\); ratio {f}, mean β factor {f}") == [0.1478, 0.1143, 0.1075, 1.375, 1.375]
+
+
+def test_clip_higher_caps_the_gain_at_1_28(tutorial):
+    stdout, _ = tutorial
+    assert numbers(stdout, r"clip-higher ε_high 0\.28: loss {f} \(by hand {f}\), clip_frac {f}") == [
+        0.2315, 0.2315, 0.075]
+
+
+def test_every_step_is_tagged_in_the_output_and_the_text(tutorial):
+    """Issue 64: [notes], [ours] and [notes, our reading] in the printed output and the chapters."""
+    stdout, _ = tutorial
+    tags = re.findall(r"^--- .+ \[(notes|ours|notes, our reading)\]$", stdout, re.M)
+    assert len(tags) >= 20 and set(tags) == {"notes", "ours", "notes, our reading"}, tags
+    for name in ("whitening (M5)", "the multi-scale λ-return", "dual clip", "clip-higher",
+                 "num_tokens", "±20 clamp"):
+        assert re.search(re.escape(name) + r".*\[(ours|notes, our reading)\]$", stdout, re.M), name
+    for tag in ("[notes]", "[ours]", "[notes, our reading]"):
+        assert TEXT.count(tag) >= 3, tag
+    table = SCRIPT.read_text().split("## Three numberings, one table")[1].split("## Pseudocode")[0]
+    assert len(re.findall(r"^# \| §", table, re.M)) == 8                      # a row per chapter file
+
+
+def test_chapters_are_short_open_with_their_section_and_run_alone():
+    """Issue 64: eight chapter files of <= 400 lines, each opening with the notes' § it follows,
+    each running alone; the runner runs them in order."""
+    assert [p.name[:3] for p in CHAPTERS] == [f"ch{i}" for i in range(1, 9)]
+    runner = SCRIPT.read_text()
+    assert [runner.index(p.name) for p in CHAPTERS] == sorted(runner.index(p.name) for p in CHAPTERS)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", MPLBACKEND="Agg")
+    for path in CHAPTERS + [ROOT / "tutorial" / "common.py"]:
+        lines = path.read_text().splitlines()
+        assert len(lines) <= 400, (path.name, len(lines))
+    for path in CHAPTERS:
+        opening = path.read_text().split("# %%\n", 1)[0]
+        assert re.search(r"Follows the notes' §\d+", opening), path.name
+    with __import__("tempfile").TemporaryDirectory() as out:
+        for path in CHAPTERS:
+            proc = subprocess.run([sys.executable, str(path), "--out", out], cwd=ROOT, env=env,
+                                  capture_output=True, text=True, timeout=120)
+            assert proc.returncode == 0, f"{path.name} alone:\n{proc.stderr[-2000:]}"
+
+
+def test_figures_are_numbered_without_gaps_and_label_their_axes():
+    numbered = re.findall(r'"Fig\. (\d+)\. ', TEXT)
+    assert sorted(map(int, numbered)) == list(range(1, len(FIGURES) + 1)), numbered
+    saved = re.findall(r'save\(fig, "(fig\d+)_', TEXT)
+    assert saved == [f"fig{i}" for i in range(1, len(FIGURES) + 1)], saved
+    assert "A^intra_{t,i}" not in re.sub(r"\$[^$]*\$", "", TEXT.split("save(fig")[0][-3000:])
+
+
+def test_chapters_use_no_bare_equation_numbers():
+    """tests/test_paper_refs.py bans bare "(5)"-style numbers in mpo_tutorial.py; the same for the
+    chapters, which now hold the tutorial's text."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from test_paper_refs import bare_numbers
+    for path in CHAPTERS + [ROOT / "tutorial" / "common.py"]:
+        assert bare_numbers(path.read_text()) == [], path.name
