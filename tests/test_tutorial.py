@@ -314,3 +314,13 @@ def test_chapters_use_no_bare_equation_numbers():
     from test_paper_refs import bare_numbers
     for path in CHAPTERS + [ROOT / "tutorial" / "common.py"]:
         assert bare_numbers(path.read_text()) == [], path.name
+
+
+def test_the_tutorial_ends_with_the_bridge_to_train_min(tutorial):
+    """Issue 64: the last section is "from here to train_min.py", and its table of the trainer's
+    defaults is checked against train_min.py's source."""
+    stdout, _ = tutorial
+    assert re.findall(r"^# ## (\d+\. .+)$", TEXT, re.M)[-1] == "10. From here to train_min.py"
+    line = stdout[stdout.index("train_min.py defaults: "):].splitlines()[0]
+    assert "clip_eps_high 0.28" in line and "dual_clip 3.0" in line and 'critic_target "lambda_return"' in line
+    assert "--preset testbed" in TEXT and "smoke run" in TEXT

@@ -87,3 +87,67 @@ w_turn5, _ = mpo.mpo_advantages(r_long, zeros_long, tid_long, lam=0.8, beta=0.0,
 print(f"answer 5. token GAE 0.95^599 = {w_tok5[0, 4]:.2g}; turn GAE 0.8^2 = {w_turn5[0, 4]:.2f}")
 assert close(w_tok5[0, 4], 0.95**599, 1e-20) and close(w_turn5[0, 4], 0.64, 1e-12)
 
+
+# %% [markdown]
+# ## 10. From here to train_min.py
+#
+# The chapters ran MPO on hand-made tensors and a toy model. `train_min.py` runs the same
+# `mpo.py` functions inside a full loop (rollout → advantages → update → evaluation →
+# checkpoint). Which run to start with, what its log line says, and how its defaults differ from
+# the toy of section 7:
+#
+# **A run that learns on a CPU.** `python train_min.py --preset testbed`: a tiny random Qwen2
+# learns the multi-turn credit-assignment task of docs/testbed.md from scratch (about 15 s on a
+# 2-core CPU, by the README); watch `val … reward`, and docs/testbed.md for what MPO and the
+# baselines reach on it over seeds. `--preset tiny` is a
+# smoke run of the whole loop: its random model learns nothing in 4 steps (reward 0 throughout
+# is expected). The 4-bit LLM with LoRA policy and critic adapters and the search environment
+# (`python train_min.py`, setting A of §10) needs a CUDA GPU; on a CPU use `--preset smol`
+# (about 13 min for 20 steps; docs/smol.md).
+#
+# **The log line, field by field** (one per step, `trainer/runs.py`'s `log_line`):
+#
+#     step   3 | reward 0.250 | val pass@1 0.125 reward 0.310 | pi -0.0123 v 0.0456 | clip 0.031 | 1.2 s/step 850 tok/s | mem 0.3 GB
+#
+# | field | meaning |
+# |---|---|
+# | `step` | the update's index |
+# | `reward` | mean outcome R(τ) of this step's training rollouts |
+# | `val pass@1 … reward …` | on evaluation steps: the share of validation episodes with reward > 0, and their mean reward (they differ with partial rewards, as on the testbed); `-` between evaluations |
+# | `pi` | the policy loss (M7), token mean, as `policy_loss` of section 4 |
+# | `v` | the critic loss (M8), as `value_loss` of section 4 |
+# | `clip` | `clip_frac`: the share of action tokens whose term was clipped (section 4) |
+# | `s/step`, `tok/s` | wall time of the step; generated tokens per second |
+# | `mem` | peak accelerator memory (`-` on a CPU) |
+#
+# **The trainer's defaults against the toy** (train_min.py's flags; presets override some, e.g.
+# the testbed's learning rates 3e-3):
+#
+# | | the toy of section 7 | train_min.py |
+# |---|---|---|
+# | λ, λ_intra, β | 0.8, 0.95, 1 | 0.8, 0.95, 1 (§7) |
+# | critic target | `lambda_return`, passed explicitly | `lambda_return` (`--critic_target`) |
+# | epochs × minibatches | 4 epochs, 1 minibatch, 2 micro-batches | `--ppo_epochs` 1 × `--minibatches` 4; critic epochs as `--ppo_epochs` |
+# | optimiser | one Adam, lr 0.005, shared by both heads | separate groups: policy LoRA 1e-5, critic LoRA 5e-5, value head 1e-3 |
+# | gradient clipping | none | policy and critic clipped separately, norm 1.0 each |
+# | policy clip | ε = 0.2, symmetric | ε = 0.2 below, clip-higher ε_high = 0.28 above [ours] |
+# | dual clip | none | c = 3 [ours] |
+# | value clipping | 0.2 | 0.2 (`--value_clip`) [ours] |
+# | critic loss weight | 0.5 | 0.5 (`--vf_coef`) |
+#
+# The cell below reads train_min.py's defaults from its source and checks the right-hand column.
+
+# %%
+import re  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+ROOT = Path(mpo.__file__).resolve().parent
+source = "\n".join(p.read_text() for p in [ROOT / "train_min.py", *sorted((ROOT / "trainer").glob("*.py"))])
+defaults = dict(re.findall(r"^\s+(\w+): [\w |]+ = arg\(([^,]+),", source, re.M))   # flag -> default
+TRAINER = {"lam": "0.80", "lam_intra": "0.95", "beta": "1.00", "critic_target": '"lambda_return"',
+           "ppo_epochs": "1", "minibatches": "4", "lr_policy": "1e-5", "lr_critic": "5e-5",
+           "lr_value_head": "1e-3", "max_grad_norm": "1.0", "critic_max_grad_norm": "1.0",
+           "clip_eps": "0.2", "clip_eps_high": "0.28", "dual_clip": "3.0", "value_clip": "0.2",
+           "vf_coef": "0.5"}
+print("train_min.py defaults: " + ", ".join(f"{k} {defaults.get(k)}" for k in TRAINER))
+assert {k: defaults.get(k) for k in TRAINER} == TRAINER, "train_min.py's defaults moved: update the table"
