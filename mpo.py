@@ -256,14 +256,14 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
                 *, clip_eps_high: float | None = None, dual_clip: float | None = None,
                 num_tokens: int | torch.Tensor | None = None, max_log_ratio: float = 20.0,
                 validate: bool = True) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """(M7): the clipped surrogate, L = (1/N) Σ max(−ρA, −clip(ρ, 1−ε, 1+ε_high) A).
-    A token mean over N action tokens (num_tokens: the whole batch's, for micro-batches);
-    ratio_level picks ρ: "turn" ρ̃ of `turn_ratio` (MPO); "token" exp(logp − old_logp) (PPO,
-    "MPO w/ token IS"); "sequence" (B3) GSPO-token, s_b = exp(mean of the row's log-ratios); all
-    own-token gradients (docs/equations.md, 3-4). clip_eps ε: 0.2 (`GSPO_CLIP` for "sequence");
-    clip_eps_high: DAPO's ε_high (default ε); dual_clip c > 1 caps a term with A < 0 at c·|A|.
-    Returns loss (0-dim) and stats: clip_frac, turn_clip_frac, approx_kl, ratio_mean, ratio_max,
-    turn_log_ratio_std (the spread of log ρ_t over turns; 0 where A and B get one gradient)."""
+    """(M7): the clipped surrogate, L = (1/N) Σ max(−ρA, −clip(ρ, 1−ε, 1+ε_high) A), a token mean
+    over N action tokens (num_tokens: the whole batch's, for micro-batches). ratio_level picks ρ:
+    "turn" ρ̃ of `turn_ratio` (MPO); "token" exp(logp − old_logp) (PPO, "MPO w/ token IS");
+    "sequence" (B3) GSPO-token, s_b = exp(mean of the row's log-ratios); all own-token gradients
+    (docs/equations.md, 3-4). clip_eps ε: 0.2 (`GSPO_CLIP` for "sequence"); clip_eps_high: DAPO's
+    ε_high (default ε); dual_clip c > 1 caps a term with A < 0 at c·|A|. Returns loss (0-dim) and
+    stats (`_policy_stats`): clip_frac, turn_clip_frac, approx_kl, ratio_mean, ratio_max,
+    turn_log_ratio_mean, turn_log_ratio_std."""
     if ratio_level not in RATIO_LEVELS:
         raise ValueError(f"ratio_level must be one of {RATIO_LEVELS}, got {ratio_level!r}")
     if clip_eps is None and ratio_level == "sequence":                       # GSPO's own range
@@ -292,25 +292,34 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     term = torch.maximum(unclipped, -ratio.clamp(1 - eps_low, 1 + eps_high) * A)
     if dual_clip is not None:              # A < 0: at most c|A| (for A >= 0 the term is <= 0)
         term = torch.minimum(term, _as_float(dual_clip) * A.abs())
-    n_act = torch.count_nonzero(act).clamp(min=1)
-    n = n_act if num_tokens is None else torch.as_tensor(num_tokens, device=logp.device)
-    loss = _masked(term, act, dtype).sum() / n
-    with torch.no_grad():
-        first = _turn_starts(turn_ids)                                        # a turn's 1st token
-        outside = (rho_turn < 1 - eps_low) | (rho_turn > 1 + eps_high)        # bool: no grad
-        ratio_act = _masked(ratio.detach(), act, dtype)
-        n_first = torch.count_nonzero(first).to(dtype)                       # turns in the batch
-        log_rho = torch.where(first, rho_turn.detach().log(), 0)              # log ρ_t, once each
-        dev = torch.where(first, log_rho - log_rho.sum() / n_first.clamp(min=1), 0)
-        stats = {"clip_frac": torch.count_nonzero(act & (term != unclipped)).to(dtype) / n_act,
-                 "turn_clip_frac": (torch.count_nonzero(first & outside).to(dtype)
-                                    / torch.count_nonzero(first).clamp(min=1)),
-                 "approx_kl": _masked(rho_token - 1 - log_ratio.detach(), act, dtype).sum() / n_act,
-                 "ratio_mean": ratio_act.sum() / n_act,
-                 "ratio_max": ratio_act.amax() if ratio_act.numel() else ratio_act.new_zeros(()),
-                 "turn_log_ratio_std": torch.where(   # sample std over turns; 0 below 2
-                     n_first > 1, (dev.square().sum() / (n_first - 1).clamp(min=1)).sqrt(), 0)}
-    return loss, stats
+    n = torch.count_nonzero(act).clamp(min=1) if num_tokens is None else num_tokens   # N
+    loss = _masked(term, act, dtype).sum() / torch.as_tensor(n, device=logp.device)
+    return loss, _policy_stats(turn_ids, term != unclipped, ratio, rho_turn, rho_token,
+                               log_ratio, (eps_low, eps_high))
+
+
+@torch.no_grad()
+def _policy_stats(turn_ids, clipped, ratio, rho_turn, rho_token, log_ratio, eps) -> dict:
+    """policy_loss's stats (0-dim), over this call's action tokens: clip_frac (the share whose term
+    took the clipped branch), approx_kl (the mean of ρ_{t,i} − 1 − log ρ_{t,i}), ratio_mean and
+    ratio_max (of the ratio used); over its turns, each once: turn_clip_frac (the share with ρ_t
+    outside [1 − ε, 1 + ε_high]), turn_log_ratio_mean and turn_log_ratio_std (the mean and sample
+    SD of log ρ_t; 0 without a turn, the SD 0 below two). To pool micro-batches, weight each by
+    its own tokens or turns (a mean of fractions, maxima or SDs is not the batch's)."""
+    act, first, dtype = turn_ids >= 0, _turn_starts(turn_ids), log_ratio.dtype
+    n_act, n_first = torch.count_nonzero(act).clamp(min=1), torch.count_nonzero(first).to(dtype)
+    outside = (rho_turn < 1 - eps[0]) | (rho_turn > 1 + eps[1])               # (B, T) bool
+    ratio = _masked(ratio, act, dtype)                                        # (B, T)
+    log_rho = torch.where(first, rho_turn.log(), 0)                           # log ρ_t, once each
+    mean = log_rho.sum() / n_first.clamp(min=1)
+    var = torch.where(first, log_rho - mean, 0).square().sum() / (n_first - 1).clamp(min=1)
+    return {"clip_frac": torch.count_nonzero(act & clipped).to(dtype) / n_act,
+            "turn_clip_frac": torch.count_nonzero(first & outside).to(dtype) / n_first.clamp(min=1),
+            "approx_kl": _masked(rho_token - 1 - log_ratio, act, dtype).sum() / n_act,
+            "ratio_mean": ratio.sum() / n_act,
+            "ratio_max": ratio.amax() if ratio.numel() else ratio.new_zeros(()),
+            "turn_log_ratio_mean": mean,
+            "turn_log_ratio_std": torch.where(n_first > 1, var.sqrt(), 0)}   # 0 below 2 turns
 
 
 # --- (M8) The critic loss --------------------------------------------------------------------

@@ -527,3 +527,33 @@ def test_policy_loss_reports_the_spread_of_turn_log_ratios():
     assert float(mpo.policy_loss(old, old, adv, tid)[1]["turn_log_ratio_std"]) == 0.0
     one_turn = torch.where(tid == 1, 0, -1)                        # a single turn: no spread
     assert float(mpo.policy_loss(logp, old, adv, one_turn)[1]["turn_log_ratio_std"]) == 0.0
+
+
+def test_policy_loss_reports_the_mean_turn_log_ratio_that_pools_micro_batches():
+    """stats["turn_log_ratio_mean"]: the mean over the call's turns (each once) of the log ρ_t
+    whose spread is turn_log_ratio_std, 0 without a turn. With each part's turn count, uneven
+    micro-batches pool to the whole batch's mean and SD exactly (issue 61, items 4-5)."""
+    tid = torch.tensor([[-1, 0, 0, 0, -1, 1, 1], [-1, 0, 0, -1, -1, -1, -1], [-1] * 7])
+    old = torch.zeros(3, 7, dtype=torch.float64)
+    logp = torch.tensor([[0, .1, .2, .3, 9, -.5, .1], [0, .2, .2, 9, 9, 9, 9], [9] * 7],
+                        dtype=torch.float64)                          # off-turn: noise
+    adv = torch.ones_like(old)
+    # log ρ_t by hand: 0.6 and -0.4 (row 0), 0.4 (row 1), row 2 none: mean 0.6 / 3 = 0.2,
+    # sample SD sqrt((0.4² + 0.6² + 0.2²) / 2) = sqrt(0.28)
+    for level in LEVELS:
+        stats = mpo.policy_loss(logp, old, adv, tid, ratio_level=level)[1]
+        assert float(stats["turn_log_ratio_mean"]) == pytest.approx(0.2, abs=1e-12)
+        assert float(stats["turn_log_ratio_std"]) == pytest.approx(math.sqrt(0.28), abs=1e-12)
+    no_turn = mpo.policy_loss(logp[2:], old[2:], adv[2:], tid[2:])[1]
+    assert float(no_turn["turn_log_ratio_mean"]) == 0.0
+    parts = [slice(0, 1), slice(1, 3)]                  # 2 turns, then 1 turn and a turnless row
+    n = [int((tid[p].amax(dim=1) + 1).sum()) for p in parts]
+    assert n == [2, 1]
+    stats = [mpo.policy_loss(logp[p], old[p], adv[p], tid[p])[1] for p in parts]
+    m = [float(s["turn_log_ratio_mean"]) for s in stats]
+    assert m == pytest.approx([0.1, 0.4], abs=1e-12)
+    mean = sum(k * mk for k, mk in zip(n, m)) / sum(n)
+    ss = sum((k - 1) * float(s["turn_log_ratio_std"]) ** 2 + k * (mk - mean) ** 2
+             for k, mk, s in zip(n, m, stats))
+    assert mean == pytest.approx(0.2, abs=1e-12)
+    assert math.sqrt(ss / (sum(n) - 1)) == pytest.approx(math.sqrt(0.28), abs=1e-12)
