@@ -48,6 +48,8 @@ import mpo
 import presets
 from diagnostics import critic_gates
 from search_env import Suite, search_suite
+# variants.py: one row per variant naming its functions (estimator, loss) and flags
+from variants import CRITIC_KINDS, VARIANTS, Variant  # noqa: F401 (re-exported)
 # trainer/: the plumbing; some names only re-exported (tests and experiments use train_min.X)
 from trainer.model import (LOGPROB_CHUNK, LORA_TARGETS, chunk_logprobs, decoder_layers,
                            first_adapted_layer, frozen_states, get_peft_model, hidden_states,
@@ -59,6 +61,7 @@ from trainer.runs import (MetricsLog, RunLock, StopFlag, check_out_dir, episode_
                           questions_at, resume, run_summary, save_checkpoint, seed_everything,
                           start_step, step_metrics, write_outcomes)
 from trainer.critics import TurnValueHead, turn_features
+from trainer.stats import UpdateStats, count_turns   # each statistic by its own denominator
 # sampling: the softmax only (generation_config, checked), where a turn ends (TurnEnd: stop
 # strings, </think>, budgets), generate's own log-probs (TurnRecorder), rows per generate call,
 # the tokenizer's ids only (sampled_vocab), the action after </think> (split_reasoning)
@@ -66,28 +69,6 @@ from trainer.sampling import (SampledVocab, Turn, TurnEnd, TurnRecorder, check_g
                               generation_config, rows_per_generate, sampled_turn, sampled_vocab,
                               split_reasoning, thinking_mode, turn_budget)
 
-
-
-# --- The variants: one row each; the trainer reads this table, never a variant's name ---------
-@dataclass(frozen=True)
-class Variant:
-    advantages: str            # "mpo" (Eq. 20), "token_gae" (B1), "vapo", "sao", "grpo" (B2)
-    ratio_level: str           # mpo.policy_loss's ρ: "turn" (M6), "token", "sequence" (B3, GSPO)
-    critic: bool = True        # a learned critic (False: the group's mean is the baseline)
-    loss: str = "clip"         # "clip" (M7), or "sao": baselines.sao_policy_loss's token mask
-    beta: float | None = None  # a β the variant fixes (None: --beta)
-
-
-VARIANTS = {                                       # §10's settings A, B, C, then the baselines
-    "mpo": Variant("mpo", "turn"),                 # A: MPO
-    "mpo_token_is": Variant("mpo", "token"),       # B: MPO with token-level IS
-    "mpo_beta0": Variant("mpo", "turn", beta=0.0),  # C: β = 0, turn GAE only
-    "ppo": Variant("token_gae", "token"),
-    "grpo": Variant("grpo", "token", critic=False),
-    "gspo": Variant("grpo", "sequence", critic=False),
-    "vapo": Variant("vapo", "token"),              # + value pretraining (--vapo_value_steps)
-    "sao": Variant("sao", "token", loss="sao"),    # + its own defaults (config.sao_defaults)
-}
 
 
 # --- Config ------------------------------------------------------------------------------------
@@ -102,7 +83,8 @@ class Config:
     preset: str = arg("default", "default (the paper's §10 run, GPU) | qwen3_thinking (the "
                       "paper's model, GPU) | smol | smol_hops | tiny | testbed: presets.py")
     variant: str = arg("mpo", "mpo (A) | mpo_token_is (B) | mpo_beta0 (C) | ppo | grpo | gspo "
-                       "| vapo | sao (a labelled reconstruction: docs/baselines.md)")
+                       "| vapo | sao (a labelled reconstruction: docs/baselines.md); variants.py; "
+                       "a flag the variant fixes or never reads is refused")
     seed: int = arg(0, "seed for sampling, data order and initialisation")
     steps: int = arg(150, "policy updates (§10: 100-150 steps)")
     out_dir: str = arg("", "run folder (default runs/<variant>-s<seed>)")
@@ -164,8 +146,8 @@ class Config:
     clip_eps: float = arg(0.2, "ε of the clipped surrogate")
     clip_eps_high: float = arg(0.28, "upper clip (clip-higher, DAPO); = clip_eps for symmetric")
     dual_clip: float = arg(3.0, "c: loss of A < 0 terms capped at c|A|, every ratio level (0: off)")
-    gspo_clip_low: float = arg(3e-4, "GSPO's lower clip of the sequence ratio (GSPO paper: 3e-4)")
-    gspo_clip_high: float = arg(4e-4, "GSPO's upper clip of the sequence ratio (GSPO paper: 4e-4)")
+    gspo_clip_low: float = arg(mpo.GSPO_CLIP[0], "GSPO's lower clip of the sequence ratio")
+    gspo_clip_high: float = arg(mpo.GSPO_CLIP[1], "GSPO's upper clip of the sequence ratio")
     value_clip: float = arg(0.2, "value clipping range (0 disables)")
     vf_coef: float = arg(0.5, "weight of the critic loss")
     kl_coef: float = arg(0.0, "KL(π ‖ base) penalty (k3); the base = the model without adapters")
@@ -209,11 +191,11 @@ class Config:
                               ("dataset", ("synthetic", "hotpotqa", "testbed")),
                               ("dtype", ("auto", "bfloat16", "float32")),
                               ("critic_target", mpo.CRITIC_TARGETS),
-                              ("critic", ("token", "turn"))):
+                              ("critic", tuple(CRITIC_KINDS))):
             if getattr(self, flag) not in allowed:
                 raise ValueError(f"--{flag} must be one of {allowed}, got {getattr(self, flag)!r}")
-        if self.spec.beta is not None:
-            self.beta = self.spec.beta
+        for flag, value in self.spec.fixes.items():        # e.g. mpo_beta0: β = 0
+            setattr(self, flag, value)
         if not self.out_dir:
             prefix = "" if self.preset == "default" else self.preset + "-"
             self.out_dir = f"runs/{prefix}{self.variant}-s{self.seed}"
@@ -228,17 +210,22 @@ class Config:
         return self.spec.critic
 
     @property
+    def critic_values_every_token(self) -> bool:
+        """--critic token: V at every action token; --critic turn: at turn starts only."""
+        return CRITIC_KINDS[self.critic].every_token
+
+    @property
     def returns_target(self) -> str:
-        """The critic's regression target: --critic_target, or for --critic turn (β = 0) the turn
-        λ-return V_{t,1} + A^turn_t, which is "mae" (mpo.spread_turn_values)."""
-        return "mae" if self.critic == "turn" else self.critic_target
+        """The critic's regression target: --critic_target, or the critic kind's own (--critic
+        turn, β = 0: the turn λ-return V_{t,1} + A^turn_t, "mae"; mpo.spread_turn_values)."""
+        return CRITIC_KINDS[self.critic].target or self.critic_target
 
     @property
     def critic_only_steps(self) -> int:
         """The first updates train the critic alone (the policy adapter gets no gradient and no
         optimiser step): the critic warm-up, and VAPO's value pretraining."""
-        vapo = self.vapo_value_steps if self.spec.advantages == "vapo" else 0
-        return max(self.critic_warmup_steps, vapo)
+        pretrain = getattr(self, self.spec.value_steps) if self.spec.value_steps else 0
+        return max(self.critic_warmup_steps, pretrain)
 
 
 def parse_config(argv=None) -> Config:
@@ -309,7 +296,7 @@ def load_model(cfg: Config, device: torch.device):
     # their updates and AdamW state are float32; a layer's LoRA output is cast back to bf16.
     model = get_peft_model(base, lora, adapter_name="policy", autocast_adapter_dtype=True)
     model.sampled_vocab = len(tok)      # ids past the tokenizer are never sampled: sampled_vocab
-    if cfg.critic == "turn":            # no critic adapter: a head on a frozen layer
+    if not cfg.critic_values_every_token:   # --critic turn: a head on a frozen layer
         layer = cfg.critic_layer or n_layers // 2 + 1
         if not 1 <= layer <= n_layers:
             raise ConfigError(f"--critic_layer must be in 1..{n_layers} for {cfg.model}, got "
@@ -551,22 +538,9 @@ def score_batch(model, value_head, batch, cfg: Config) -> None:
 
 # --- Advantages: everything algorithmic comes from mpo.py --------------------------------------
 def compute_advantages(batch, cfg: Config) -> None:
-    turn_ids, values, scores = batch["turn_ids"], batch["values"], batch["scores"]
-    rewards = mpo.outcome_rewards(scores, turn_ids)               # (B, T): R(τ) on the last token
-    estimator = cfg.spec.advantages
-    if estimator == "mpo":                                           # MPO: Eq. (20) advantages
-        adv, ret = mpo.mpo_advantages(rewards, values, turn_ids, lam=cfg.lam,
-                                      lam_intra=cfg.lam_intra, beta=cfg.beta,  # turn: λ-return
-                                      critic_target=cfg.returns_target)
-    elif estimator == "vapo":                       # VAPO: critic λ = 1, policy λ length-adaptive
-        adv, ret = baselines.vapo_advantages(rewards, values, turn_ids >= 0, alpha=cfg.vapo_alpha)
-    elif estimator == "sao":                        # SAO: VAPO's estimator at α = 1.5
-        adv, ret = baselines.sao_advantages(rewards, values, turn_ids >= 0, alpha=cfg.sao_alpha)
-    elif estimator == "token_gae":                                   # PPO: token GAE
-        adv, ret = mpo.token_gae(rewards, values, turn_ids >= 0, lam=cfg.ppo_lam)
-    else:                                                            # GRPO / GSPO
-        adv = mpo.grpo_advantages(scores, batch["groups"], turn_ids, scale=cfg.grpo_scale)
-        ret = torch.zeros_like(adv)
+    """The variant's estimator (variants.py): MPO's is variants.mpo_estimator, Eq. (20)."""
+    rewards = mpo.outcome_rewards(batch["scores"], batch["turn_ids"])  # (B, T): R(τ), last token
+    adv, ret = cfg.spec.advantages(batch, cfg, rewards)              # MPO: Eq. (20) advantages
     batch["advantages"], batch["returns"] = adv, ret                 # (B, T), (B, T)
 
 
@@ -578,7 +552,7 @@ def make_optimizer(model, value_head, cfg: Config):
     return torch.optim.AdamW(groups, weight_decay=0.0)
 
 
-def policy_backward(model, batch, micro, n_tok, clip: tuple[float, float], cfg: Config) -> dict:
+def policy_backward(model, batch, micro, n_tok, cfg: Config) -> dict:
     """The policy loss of one micro-batch (and the KL penalty), backward into the policy
     adapter; its statistics. `n_tok`: the minibatch's action tokens, the one denominator of its
     token mean."""
@@ -587,15 +561,8 @@ def policy_backward(model, batch, micro, n_tok, clip: tuple[float, float], cfg: 
     use_adapter(model, "policy")
     logp, entropy = token_logprobs(model, ids, attn, tid >= 0, cfg.temperature, h)
     old_logp, adv = batch["old_logp"][micro, :width], batch["advantages"][micro, :width]
-    if cfg.spec.loss == "sao":            # a token outside SAO's band gets no gradient
-        loss_pi, stats = baselines.sao_policy_loss(logp, old_logp, adv, tid, cfg.sao_eps_low,
-                                                   cfg.sao_eps_high, num_tokens=n_tok,
-                                                   validate=False)
-    else:
-        loss_pi, stats = mpo.policy_loss(                                    # MPO: turn ratio
-            logp, old_logp, adv, tid, clip_eps=clip[0], ratio_level=cfg.spec.ratio_level,
-            clip_eps_high=clip[1], dual_clip=cfg.dual_clip or None,   # bounds a runaway ratio
-            num_tokens=n_tok, validate=False)
+    # the variant's loss (variants.py): MPO's is (M7) with the turn ratio (M6), clipped_loss
+    loss_pi, stats = cfg.spec.loss(cfg.spec, logp, old_logp, adv, tid, n_tok, cfg)
     loss = loss_pi
     if cfg.kl_coef > 0:                   # k3 estimator of KL(π ‖ base), token mean
         d = torch.where(tid >= 0, batch["ref_logp"][micro, :width] - logp, 0.0)
@@ -619,14 +586,13 @@ def critic_backward(model, value_head, batch, micro, n_tok, cfg: Config) -> dict
 
 
 def update(model, value_head, opt, batch, cfg: Config, step: int = 0) -> dict[str, float]:
-    """PPO-style epochs over the batch; returns each statistic's mean over the minibatches.
-    The policy adapter and the critic (adapter + value head) are clipped apart, each to its own
-    max norm, so neither's gradient scales the other's step; both norms are logged."""
+    """PPO-style epochs over the batch; returns its statistics, each pooled by its own denominator
+    (trainer/stats.py: token means by tokens, turn fractions by turns, maxima as maxima; losses
+    and gradient norms averaged over minibatches). The policy adapter and the critic (adapter +
+    value head) are clipped apart, each to its own max norm, so neither's gradient scales the
+    other's step; both norms are logged."""
     model.train()
     act = batch["turn_ids"] >= 0
-    eps, eps_high = ((cfg.gspo_clip_low, cfg.gspo_clip_high) if cfg.spec.ratio_level == "sequence"
-                     else (cfg.clip_eps, cfg.clip_eps_high))     # GSPO clips a sequence ratio
-    loss_keys = ("policy_loss", "value_loss", "kl_base")   # already minibatch token means
     train_policy = step >= cfg.critic_only_steps   # `step` (0-based): warm-up, VAPO pretraining
     if cfg.skip_equal_rewards and bool((batch["scores"] == batch["scores"][0]).all()):
         train_policy = False            # R(τ) the same for all: no signal but the critic's noise
@@ -634,7 +600,7 @@ def update(model, value_head, opt, batch, cfg: Config, step: int = 0) -> dict[st
     policy_params = policy_params["params"]
     critic_params = [p for g in critic_groups for p in g["params"]]
     critic_epochs = value_head.epochs(cfg)            # --critic turn: 0, refitted below
-    totals, counts = {}, {}
+    stats = UpdateStats()
     plan = batch.get("plan") or minibatch_plan(batch, cfg)
     for epoch in range(max(cfg.ppo_epochs, critic_epochs)):
         policy_now = train_policy and epoch < cfg.ppo_epochs
@@ -644,31 +610,23 @@ def update(model, value_head, opt, batch, cfg: Config, step: int = 0) -> dict[st
         for mb in plan:
             n_tok = sum(act[micro].sum() for micro in mb)   # one token mean over the minibatch
             opt.zero_grad(set_to_none=True)
-            stats = {}
             for micro in mb:
                 part = {}
                 if policy_now:            # MPO: turn ratio; backward before the critic's pass
-                    part.update(policy_backward(model, batch, micro, n_tok, (eps, eps_high), cfg))
+                    part.update(policy_backward(model, batch, micro, n_tok, cfg))
                 if critic_now:
                     part.update(critic_backward(model, value_head, batch, micro, n_tok, cfg))
-                # per-micro-batch means (clip fraction, entropy) count by their share of tokens
-                token_share = float(act[micro].sum()) / max(float(n_tok), 1.0)
-                for name, value in part.items():
-                    weight = 1.0 if name in loss_keys else token_share
-                    stats[name] = stats.get(name, 0.0) + float(value) * weight
+                stats.micro(part, int(act[micro].sum()), count_turns(batch["turn_ids"][micro]))
+            norms = {}
             if policy_now:
-                stats["policy_grad_norm"] = float(torch.nn.utils.clip_grad_norm_(
+                norms["policy_grad_norm"] = float(torch.nn.utils.clip_grad_norm_(
                     policy_params, cfg.max_grad_norm))
             if critic_now:
-                stats["critic_grad_norm"] = float(torch.nn.utils.clip_grad_norm_(
+                norms["critic_grad_norm"] = float(torch.nn.utils.clip_grad_norm_(
                     critic_params, cfg.critic_max_grad_norm))
             opt.step()                  # parameters without a gradient are left as they are
-            for name, value in stats.items():
-                totals[name] = totals.get(name, 0.0) + value
-                counts[name] = counts.get(name, 0) + 1
-    for name, value in value_head.after_update(batch).items():   # --critic turn: the refit
-        totals[name], counts[name] = value, 1
-    return {**{name: total / counts[name] for name, total in totals.items()},
+            stats.minibatch(norms)
+    return {**stats.result(), **value_head.after_update(batch),   # --critic turn: the refit
             "policy_updated": float(train_policy)}
 
 

@@ -22,6 +22,19 @@ def given_flags(argv: list[str]) -> set[str]:
     return {a.lstrip("-").split("=")[0].replace("-", "_") for a in argv if a.startswith("--")}
 
 
+def given_values(argv: list[str]) -> dict[str, str]:
+    """The flags written on the command line with their values as written: ["--beta=0.5",
+    "--seed", "1", "--resume"] -> {"beta": "0.5", "seed": "1", "resume": ""}."""
+    out = {}
+    for i, a in enumerate(argv):
+        if a.startswith("--"):
+            name, eq, value = a[2:].partition("=")
+            following = argv[i + 1] if i + 1 < len(argv) else "--"
+            out[name.replace("-", "_")] = value if eq else ("" if following.startswith("--")
+                                                              else following)
+    return out
+
+
 def parse_with_presets(config_cls, presets: dict, argv=None):
     """config_cls from the command line (default sys.argv), then the chosen preset's overrides
     (presets: name -> presets.Preset, presets.PRESETS) except for flags given; every preset's own
@@ -65,32 +78,22 @@ def parse_with_presets(config_cls, presets: dict, argv=None):
         cfg.max_turns = cfg.max_hops + 1
     if not cfg.uses_critic:             # no critic to warm up (a preset's default: ignored)
         cfg.critic_warmup_steps = 0
-    if cfg.spec.advantages == "sao":    # SAO's own defaults (docs/baselines.md), unless given
-        sao_defaults(cfg, given)
-    vapo_default = cfg.spec.advantages == "vapo" and "vapo_value_steps" not in given
-    if vapo_default and cfg.vapo_value_steps >= cfg.steps:
-        cfg.vapo_value_steps = cfg.steps // 2     # VAPO's default 50 would leave no policy update
+    if cfg.spec.defaults:               # the variant's own defaults (SAO's), unless given
+        cfg.spec.defaults(cfg, given)
+    if (steps := cfg.spec.value_steps) and steps not in given and getattr(cfg, steps) >= cfg.steps:
+        setattr(cfg, steps, cfg.steps // 2)   # VAPO's default 50 would leave no policy update
     check_config(cfg)                   # the preset's values are checked like the user's
+    refuse_variant_flags(cfg, given_values(argv))   # a flag the variant fixes or never reads
     return cfg
 
 
-def sao_defaults(cfg, given: set[str]) -> None:
-    """--variant sao, a labelled reconstruction (docs/baselines.md): one rollout per question and
-    as many questions as the other variants' questions x rollouts (every source: one rollout per
-    prompt, a value baseline instead of a group), K = 2 critic passes per policy pass (all four
-    public ports), 10 critic-only warm-up steps (reef, twinkle; halved, like VAPO's, when the
-    run is shorter) and plain MSE for the critic (unsloth, twinkle). A flag given wins."""
-    if "n_rollouts" not in given:
-        if "questions_per_step" not in given:
-            cfg.questions_per_step *= cfg.n_rollouts
-        cfg.n_rollouts = 1
-    if "critic_epochs" not in given:
-        cfg.critic_epochs = 2 * cfg.ppo_epochs
-    if "critic_warmup_steps" not in given:
-        cfg.critic_warmup_steps = max(cfg.critic_warmup_steps,
-                                      10 if cfg.steps > 10 else cfg.steps // 2)
-    if "value_clip" not in given:
-        cfg.value_clip = 0.0
+def refuse_variant_flags(cfg, given: dict[str, str]) -> None:
+    """A flag written on the command line that the variant fixes (mpo_beta0's --beta) or never
+    reads (--lr_critic for GRPO) is refused, with one line naming both: it would change nothing.
+    A preset's value for such a flag is not refused (a preset serves every variant)."""
+    if message := cfg.spec.refusal(given):                  # variants.py
+        raise ConfigError(message)
+
 
 # Counts and ranges of Config, checked before any model is loaded or file written.
 AT_LEAST_ONE = ("steps", "save_every", "eval_every", "structure_every", "n_train", "n_val",
@@ -134,31 +137,29 @@ def check_config(cfg) -> None:
         raise ConfigError(f"--minibatches {cfg.minibatches} exceeds the {episodes} episodes of a "
                           "step (questions_per_step x n_rollouts): some minibatches would be "
                           "empty; lower --minibatches")
-    if cfg.spec.advantages == "grpo" and cfg.n_rollouts < 2:
-        raise ConfigError(f"--variant {cfg.variant} needs --n_rollouts >= 2: the group-relative "
-                          "advantages of a group of one episode are all zero")
-    if not getattr(cfg, "grpo_scale", True) and cfg.spec.advantages != "grpo":
-        raise ConfigError(f"--grpo_scale false changes GRPO's group advantages; --variant "
-                          f"{cfg.variant} has none: drop the flag or use --variant grpo")
-    if cfg.spec.advantages == "vapo" and cfg.vapo_value_steps >= cfg.steps and not cfg.eval_only:
+    if cfg.n_rollouts < cfg.spec.min_rollouts:
+        raise ConfigError(f"--variant {cfg.variant} needs --n_rollouts >= {cfg.spec.min_rollouts}"
+                          ": the group-relative advantages of a group of one episode are all zero")
+    if (steps := cfg.spec.value_steps) and getattr(cfg, steps) >= cfg.steps and not cfg.eval_only:
         # (a default above the run is halved in parse_with_presets; a given one is refused)
-        raise ConfigError(f"--vapo_value_steps {cfg.vapo_value_steps} leaves no policy update in "
-                          f"--steps {cfg.steps} (the first {cfg.vapo_value_steps} train the "
-                          "critic only): lower --vapo_value_steps or raise --steps")
+        raise ConfigError(f"--{steps} {getattr(cfg, steps)} leaves no policy update in --steps "
+                          f"{cfg.steps} (the first {getattr(cfg, steps)} train the critic only): "
+                          f"lower --{steps} or raise --steps")
     if cfg.critic_warmup_steps >= cfg.steps and not cfg.eval_only:
         raise ConfigError(f"--critic_warmup_steps {cfg.critic_warmup_steps} leaves no policy "
                           f"update in --steps {cfg.steps}: lower it or raise --steps")
-    if cfg.critic == "turn" and not cfg.uses_critic:
-        raise ConfigError(f"--critic turn: --variant {cfg.variant} has no critic; use "
+    every_token = cfg.critic_values_every_token
+    if not every_token and not cfg.uses_critic:        # (a preset's --critic turn)
+        raise ConfigError(f"--critic {cfg.critic}: --variant {cfg.variant} has no critic; use "
                           "--variant mpo_beta0 (MPO with β = 0)")
-    if cfg.critic == "turn" and cfg.spec.advantages != "mpo":
-        raise ConfigError(f"--critic turn gives values at turn starts only; --variant "
+    if not every_token and not cfg.spec.turn_critic:
+        raise ConfigError(f"--critic {cfg.critic} gives values at turn starts only; --variant "
                           f"{cfg.variant}'s token GAE needs one at every token: use --critic "
                           "token, or --variant mpo_beta0 (MPO with β = 0)")
-    if cfg.critic == "turn" and cfg.beta != 0:
-        raise ConfigError(f"--critic turn with --beta {cfg.beta}: a turn critic's intra-turn "
-                          "residuals are 0 but at each turn's end, so Eq. (20) would move credit "
-                          "by position alone: use --variant mpo_beta0 or --beta 0 "
+    if not every_token and cfg.beta != 0:
+        raise ConfigError(f"--critic {cfg.critic} with --beta {cfg.beta}: a turn critic's "
+                          "intra-turn residuals are 0 but at each turn's end, so Eq. (20) would "
+                          "move credit by position alone: use --variant mpo_beta0 or --beta 0 "
                           "(mpo.spread_turn_values)")
     if cfg.critic_layer < 0:
         raise ConfigError(f"--critic_layer must be >= 0 (0: the middle layer), got "
