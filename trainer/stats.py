@@ -45,7 +45,7 @@ class UpdateStats:
                 self.part[name] = self.part.get(name, 0.0) + value
             elif name in MAXIMA:
                 self.maxima[name] = max(self.maxima.get(name, -math.inf), value)
-            elif name in SPREADS and SPREADS[name] in stats:   # TEMP: until mpo.py reports it
+            elif name in SPREADS:
                 mean = float(stats[SPREADS[name]])
                 acc = self.spread.setdefault(name, [0, 0.0, 0.0])
                 acc[0] += turns
