@@ -230,7 +230,7 @@ def test_the_map_tests_v4_in_its_own_family_as_its_page_does(monkeypatch):
     rows = testbed_map.map_rows(other + records())
     assert [r[1] for r in rows] == ["v3-d1", "v4-K2", "v4-K8"]
     md = testbed_map.map_table(other + records(), compact=True)
-    assert "| v4: K = 8 | 16 |" in md and "(v2, v3, streaming: 2; v4: 6)" in md
+    assert "| v4: K = 8 | 16 |" in md and "(v2, v3, streaming: 2; v4: 6, 4 distinct)" in md
     assert "K: decisive turns" in md
     full = testbed_map.map_table(other + records())
     assert "v4: its page's 6, against A and GRPO" in full
