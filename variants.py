@@ -141,6 +141,8 @@ class Variant:
 
 
 VARIANTS: dict[str, Variant] = {}
+LABELS: dict[str, str] = {}             # name -> long label, in registration order (a view)
+SHORT: dict[str, str] = {}              # name -> short label
 
 
 def register(spec: Variant) -> Variant:
@@ -155,7 +157,13 @@ def register(spec: Variant) -> Variant:
         raise ValueError(f"variant {spec.name!r}: clipped_loss needs a ratio_level in "
                          f"{mpo.RATIO_LEVELS}, got {spec.ratio_level!r}")
     VARIANTS[spec.name] = spec
+    LABELS[spec.name], SHORT[spec.name] = spec.label, spec.short
     return spec
+
+
+def unregister(name: str) -> None:
+    """Remove a row (a test's toy variant)."""
+    del VARIANTS[name], LABELS[name], SHORT[name]
 
 
 VARIANT_FLAGS = CRITIC | TURN_CRITIC | MPO | CLIP | GSPO_CLIP | GROUP | {

@@ -41,11 +41,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))          # train_min and trainer/ importable from any folder
+import variants  # noqa: E402  (the one label table)
 
 MARKER = "run.json"
-LABELS = {"mpo": "A: MPO", "mpo_token_is": "B: MPO w/ token IS", "mpo_beta0": "C: MPO β=0",
-          "ppo": "PPO", "grpo": "GRPO", "gspo": "GSPO", "vapo": "VAPO",   # A, B, C: §10
-          "sao": "SAO (reconstr.)"}
+LABELS = variants.LABELS             # the one label table (variants.py), in its row order
 COLORS = {v: f"C{i}" for i, v in enumerate(LABELS)}           # one colour per variant everywhere
 
 

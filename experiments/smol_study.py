@@ -42,6 +42,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))                    # python experiments/smol_study.py from anywhere
+import variants  # noqa: E402
 from experiments import launcher, significance as sig  # noqa: E402
 
 STAGES = {"pilot": ("mpo", "mpo_token_is", "mpo_beta0"), "abc": ("mpo", "mpo_token_is", "mpo_beta0"),
@@ -49,9 +50,9 @@ STAGES = {"pilot": ("mpo", "mpo_token_is", "mpo_beta0"), "abc": ("mpo", "mpo_tok
           "baselines": ("ppo", "grpo")}
 # a setting that is a variant plus trainer flags (its config's "critic" tells it apart)
 SETTINGS = {"mpo_beta0_turn": ("mpo_beta0", ["--critic", "turn"])}
-LABELS = {"mpo": "A: MPO", "mpo_token_is": "B: MPO w/ token IS", "mpo_beta0": "C: MPO β=0",
-          "mpo_beta0_turn": "C-turn: MPO β=0, turn critic",
-          "ppo": "PPO", "grpo": "GRPO"}
+LABELS = {**{v: variants.label(v) for v in ("mpo", "mpo_token_is", "mpo_beta0")},  # variants.py
+          "mpo_beta0_turn": variants.label("mpo_beta0", "turn"),
+          **{v: variants.label(v) for v in ("ppo", "grpo")}}
 GATES = ("critic/explained_variance", "loss/turn_clip_frac", "loss/turn_log_ratio_std",
          "adv/within_turn_share")
 MAX_SEEDS = 8                                    # the full study's cap (docs/smol.md)

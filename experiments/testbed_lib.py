@@ -11,6 +11,7 @@ import re
 import statistics
 from pathlib import Path
 
+import variants
 from experiments.launcher import MARKER, ROOT, group, order_key
 from experiments.significance import paired_family
 
@@ -173,8 +174,7 @@ def comparisons(records: list[dict], ref: str = "mpo", metric: str = "final",
                          label=lambda row, ref: {"setting": row[0], "variant": row[1]})
 
 
-SHORT = {"mpo": "A: MPO", "mpo_token_is": "B: token IS", "mpo_beta0": "C: β = 0", "ppo": "PPO",
-         "grpo": "GRPO", "vapo": "VAPO", "sao": "SAO"}
+SHORT = variants.SHORT               # the one label table (variants.py): its short labels
 
 
 def code_state_of(r: dict) -> str:

@@ -76,6 +76,15 @@ def test_one_label_table():
     assert variants.label("mpo_beta0", "turn") == "C-turn: MPO β=0, turn critic"
     assert variants.label("sao") == "SAO (reconstr.)" and variants.label("sao", short=True) == "SAO"
     assert variants.label("not_a_variant") == "not_a_variant"
+    assert variants.LABELS == {n: s.label for n, s in variants.VARIANTS.items()}
+    assert variants.SHORT == {n: s.short for n, s in variants.VARIANTS.items()}
+    # the launcher, the studies and the plots read this table, not copies of it
+    from experiments import launcher, smol_study, testbed_lib
+    assert launcher.LABELS is variants.LABELS and testbed_lib.SHORT is variants.SHORT
+    assert smol_study.LABELS == {"mpo": "A: MPO", "mpo_token_is": "B: MPO w/ token IS",
+                                 "mpo_beta0": "C: MPO β=0",
+                                 "mpo_beta0_turn": "C-turn: MPO β=0, turn critic",
+                                 "ppo": "PPO", "grpo": "GRPO"}
 
 
 def test_register_refuses_a_taken_name_an_unknown_flag_and_a_missing_ratio_level():
@@ -157,7 +166,8 @@ def toy_variant():
         "toy_mean", "toy: R − mean R", "toy", mean_baseline, ratio_level="token", critic=False,
         reads=variants.CLIP))
     yield spec
-    del variants.VARIANTS["toy_mean"]
+    variants.unregister("toy_mean")
+    assert "toy_mean" not in variants.LABELS
 
 
 def test_a_registered_toy_variant_trains_one_step_on_the_tiny_preset(toy_variant, base, tmp_path):
