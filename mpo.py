@@ -14,17 +14,16 @@ writes token by token. MPO assigns credit at both scales:
   (M8) critic loss          1/2 (V - R)^2, token mean, R = V_rollout + A^MAE or the multi-scale
                             λ-return G_{t,i} = V + A^intra + lam_intra^(L_t - i) lam A^turn_{t+1}
 
-then (B1) PPO token GAE, (B2) GRPO, (B3) GSPO's sequence ratio, the premise check on your critic
-(Appendix C, `turn_value_structure`), the plumbing and the input checks (VAPO, SAO: baselines.py;
+then (B1) PPO token GAE, (B2) GRPO, (B3) GSPO's sequence ratio, Appendix C's premise check on your
+critic (`turn_value_structure`), the plumbing and the input checks (VAPO, SAO: baselines.py;
 diagnostics: diagnostics.py). Eq. (20) is the paper's; (M1)-(B3) and § are docs/paper.md's.
 lam = λ, lam_intra = λ_intra, beta = β, delta = δ, rho = ρ, eps = ε, sg = stop-gradient; γ = 1.
-Tensors are (B, T): B rows, T positions; K = the most turns of any row. turn_ids[b, p] = k >= 0 on
+Tensors are (B, T), B rows, T positions, K the most turns of any row; turn_ids[b, p] = k >= 0 on
 row b's k-th assistant turn (contiguous, numbered 0, 1, ...), -1 elsewhere; values[b, p] is V of
 the prefix *before* token p, rewards[b, p] the reward right after it. float64 stays float64,
-others compute in float32. Public functions check their input once (`validate=False` skips it,
-docs/equations.md#conventions); `mpo_advantages` runs the steps above it unchecked. Usage:
-turn_ids_from_mask -> outcome_rewards -> mpo_advantages -> policy_loss (+ value_loss); README.
-"""
+others compute in float32. Public functions check their input (`validate=False` skips it;
+docs/equations.md#conventions). Usage (README): turn_ids_from_mask -> outcome_rewards ->
+mpo_advantages -> policy_loss (+ value_loss)."""
 from __future__ import annotations
 
 import math
@@ -66,12 +65,9 @@ def outcome_rewards(scores: torch.Tensor, turn_ids: torch.Tensor) -> torch.Tenso
     _check_turn_ids(turn_ids)
     _check_rows(turn_ids, scores=scores)
     _check_float("scores", scores)
-    B, T = turn_ids.shape
-    pos = torch.arange(T, device=turn_ids.device).expand(B, T)
-    last = F.pad(torch.where(turn_ids >= 0, pos, -1), (0, 1), value=-1).amax(dim=1)   # (B,)
-    rewards = torch.zeros(B, T + 1, dtype=scores.dtype, device=scores.device)  # spare column T
-    rewards.scatter_(1, torch.where(last >= 0, last, T)[:, None], scores[:, None])
-    return rewards[:, :T]
+    act = turn_ids >= 0
+    last = act & (torch.cumsum(act.flip(1).long(), dim=1).flip(1) == 1)     # no action after it
+    return torch.where(last, scores[:, None], 0)                              # (B, T)
 
 
 # --- (M1) Token TD residuals and (M2) their per-turn sums ------------------------------------
@@ -149,9 +145,8 @@ def mae_projection(adv_turn: torch.Tensor, adv_intra: torch.Tensor, turn_ids: to
     A^MAE_{t,i} = A^turn_t + β (A^intra_{t,i} − mean_i A^intra_{t,i}), (B, T) from (B, K) and
     (B, T): the least-squares projection of β·A^intra_t onto {w : mean_i w_i = A^turn_t} (§6;
     docs/equations.md): each turn keeps its mean A^turn_t, its tokens their local differences.
-    β > 0 ranks a turn's tokens by where the critic's values move: if at the turn's end (the
-    reply shows progress), late tokens gain, early ones lose, whatever each did (testbed v4:
-    against an early decisive token; docs/records/testbed/v4-beta-probe.md)."""
+    β > 0 ranks a turn's tokens by where the critic's values move: if at its end, late tokens
+    gain, whatever each did (testbed v4: docs/records/testbed/v4-beta-probe.md)."""
     if validate:
         [beta] = _check_coefficients(beta=beta)
         _check_rows(turn_ids, _validate_tokens(turn_ids, adv_intra=adv_intra), adv_turn=adv_turn)
@@ -210,8 +205,7 @@ def mpo_advantages(rewards: torch.Tensor, values: torch.Tensor, turn_ids: torch.
     _refuse_grad(_TARGETS.format("mpo_advantages"), rewards=rewards, values=values)
     if validate:                # K read once, here; the steps below trust their caller
         lam, lam_intra, beta = _check_coefficients(lam=lam, lam_intra=lam_intra, beta=beta)
-        K = _validate_tokens(turn_ids, num_turns, rewards=rewards, values=values)
-        num_turns = K if num_turns is None else num_turns
+        num_turns = _validate_tokens(turn_ids, num_turns, rewards=rewards, values=values)
     act = turn_ids >= 0
     delta = token_td_residuals(rewards, values, turn_ids, validate=False)            # (M1) (B, T)
     delta_turn, turn_mask = turn_residual_sums(delta, turn_ids, num_turns, validate=False)  # (M2)
@@ -247,8 +241,7 @@ def turn_ratio(logp: torch.Tensor, old_logp: torch.Tensor, turn_ids: torch.Tenso
     log_ratio = _masked(logp.to(dtype) - old_logp.to(dtype), act, dtype)      # (B, T) ℓ_{t,i}
     S = _per_turn_sum(log_ratio.detach(), turn_ids, T)       # (B, T) wide: no sync to find K
     rho_turn = torch.exp(_gather_turn(S, turn_ids).clamp(-max_log_ratio, max_log_ratio))  # (B, T)
-    # ρ̃_{t,i} = ρ_{t,i}·sg(Π_{j≠i} ρ_{t,j}) = sg(ρ_t)·exp(ℓ_{t,i} − sg(ℓ_{t,i})), the .detach()s:
-    return _own_token_ratio(log_ratio, rho_turn)                              # (B, T)
+    return _own_token_ratio(log_ratio, rho_turn)             # (B, T) sg(ρ_t)·exp(ℓ − sg(ℓ))
 
 
 def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
@@ -356,10 +349,7 @@ def turn_start_positions(turn_ids: torch.Tensor, num_turns: int | None = None, *
     B, T = turn_ids.shape
     starts = _turn_starts(turn_ids)                                           # (B, T)
     pos = torch.where(starts, torch.arange(T, device=turn_ids.device).expand(B, T), 0)
-    out = torch.zeros(B, K + 1, dtype=torch.long, device=turn_ids.device)    # K: a spare column
-    out = out.scatter_(1, torch.where(starts, turn_ids, K), pos)[:, :K]      # (B, K)
-    mask = _per_turn_sum(starts.long(), turn_ids, K) > 0                      # (B, K)
-    return out, mask
+    return _per_turn_sum(pos, turn_ids, K), _per_turn_sum(starts.long(), turn_ids, K) > 0
 
 
 def spread_turn_values(values_turn: torch.Tensor, turn_ids: torch.Tensor, *,
@@ -420,8 +410,7 @@ def grpo_advantages(scores: torch.Tensor, group_ids: torch.Tensor, turn_ids: tor
     mean = same @ R / n                                                        # (B,)
     dev2 = (R[None, :] - mean[:, None]) ** 2              # (B, B) centred first: no cancellation
     std = torch.sqrt((same * dev2).sum(dim=1) / (n - 1).clamp(min=1))          # (B,)
-    adv = (R - mean) / (std + eps) if scale else R - mean                      # (B,)
-    adv = torch.where(n > 1, adv, torch.zeros_like(adv))                       # one: 0
+    adv = torch.where(n > 1, (R - mean) / (std + eps) if scale else R - mean, 0)   # (B,) one: 0
     return _masked(adv[:, None].expand(turn_ids.shape), turn_ids >= 0, dtype)  # (B, T)
 
 
@@ -464,10 +453,9 @@ def turn_value_structure(values, turn_ids) -> dict[str, float]:
         for b in range(V.shape[0]):
             v, t = V[b][ids[b] >= 0], ids[b][ids[b] >= 0]                     # action tokens only
             K = int(t.max()) + 1 if t.numel() else 0
-            n_single += K == 1
-            if K >= 2 and bool((v == v[0]).all()):
-                n_constant += 1
-            elif K >= 2:
+            constant = K >= 2 and bool((v == v[0]).all())                     # no spread to share
+            n_single, n_constant = n_single + (K == 1), n_constant + constant
+            if K >= 2 and not constant:
                 rows.append((K, _row_value_structure(v, t, K)))
     cols = list(zip(*[r for _, r in rows])) or [()] * 6
     median = statistics.median if rows else (lambda xs: math.nan)   # the mean of 2 middle ones
@@ -579,7 +567,8 @@ def _check_turn_ids(turn_ids) -> int:
 def _validate_tokens(turn_ids, num_turns: int | None = None, *, layout: str = "turn_ids",
                      **tensors) -> int:
     """The turn layout, num_turns >= its K, and each named tensor: turn_ids' shape and device,
-    float, finite on action positions (`rewards` 0 off them); layout names turn_ids. Returns K."""
+    float, finite on action positions (`rewards` 0 off them); layout names turn_ids. Returns K
+    (num_turns if given)."""
     K, act = _check_turn_ids(turn_ids), turn_ids >= 0
     for name, x in tensors.items():
         _check_tensor(name, x, turn_ids, ref_name=layout)
@@ -590,7 +579,7 @@ def _validate_tokens(turn_ids, num_turns: int | None = None, *, layout: str = "t
         off = "turn_ids == -1" if layout == "turn_ids" else f"{layout} == 0"
         raise ValueError(f"rewards must be 0 off action positions ({off}); put a reward on the "
                          "action token that earned it")
-    return K
+    return K if num_turns is None else num_turns
 
 
 def _validate_action_mask(rewards, values, action_mask) -> None:
@@ -628,8 +617,10 @@ _COEFFICIENTS = {"lam": _IN_UNIT, "lam_intra": _IN_UNIT, "gamma": _IN_UNIT,
                  "beta": (lambda v: 0.0 <= v < math.inf, "a finite number >= 0"),
                  "clip_eps": _POSITIVE, "clip_eps_high": _POSITIVE,
                  "max_log_ratio": (_POSITIVE[0], _CLAMP), "clip": (_POSITIVE[0], "> 0 or None"),
-                 "dual_clip": (lambda v: 1.0 < v < math.inf, "> 1 (or None)")}
-_OPTIONAL = ("clip_eps_high", "dual_clip", "clip")              # None: the feature is off
+                 "dual_clip": (lambda v: 1.0 < v < math.inf, "> 1 (or None)"),
+                 "num_tokens": (lambda v: v >= 1 and v.is_integer(), "a whole number >= 1: the "
+                                "action-token count of the full batch (None: this batch's)")}
+_OPTIONAL = ("clip_eps_high", "dual_clip", "clip", "num_tokens")   # None: the feature is off
 
 
 def _check_coefficients(table=None, /, **coefficients) -> list:
@@ -641,13 +632,9 @@ def _check_coefficients(table=None, /, **coefficients) -> list:
 
 def _check_num_tokens(num_tokens, act: torch.Tensor) -> None:
     """num_tokens: None, or a whole number >= 1 (one-element tensors too), >= this batch's own."""
-    if num_tokens is None:
-        return
     one = isinstance(num_tokens, torch.Tensor) and num_tokens.numel() == 1
-    n = _check_number("num_tokens", num_tokens.reshape(()) if one else num_tokens,
-                      lambda v: v >= 1 and v.is_integer(), "a whole number >= 1: the action-token "
-                      "count of the full batch (None: this batch's)")
-    if n < int(act.sum()):
+    [n] = _check_coefficients(num_tokens=num_tokens.reshape(()) if one else num_tokens)
+    if n is not None and n < int(act.sum()):
         raise ValueError(f"num_tokens={int(n)} is below this batch's own {int(act.sum())} "
                          "action tokens; pass the count of the whole (accumulated) batch")
 
