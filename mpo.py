@@ -44,9 +44,8 @@ _CLAMP = "a finite number > 0 (the clamp of a log-ratio before exp)"
 
 # --- From a trainer's batch to the paper's quantities ----------------------------------------
 def turn_ids_from_mask(action_mask: torch.Tensor) -> torch.Tensor:
-    """Turn ids (B, T) int64 from a 0/1 action mask (B, T), as verl and TRL mark multi-turn
-    rollouts: each maximal run of 1s is the next turn, -1 elsewhere.
-    Example: [[0, 1, 1, 0, 0, 1, 0]] -> [[-1, 0, 0, -1, -1, 1, -1]]."""
+    """Turn ids (B, T) int64 from a 0/1 action mask (B, T) (verl's, TRL's): each maximal run of 1s
+    the next turn, -1 elsewhere. Example: [[0, 1, 1, 0, 0, 1, 0]] -> [[-1, 0, 0, -1, -1, 1, -1]]."""
     _check_tensor("action_mask", action_mask)
     if (dtype := action_mask.dtype) != torch.bool:
         if action_mask.is_floating_point() or action_mask.is_complex():
@@ -96,8 +95,8 @@ def turn_residual_sums(delta: torch.Tensor, turn_ids: torch.Tensor, num_turns: i
                        *, validate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """(M2): turn residuals δ^turn_t = Σ_i δ_{t,i}: the turn's TD residual as one macro-action.
     With γ = 1 it telescopes (§3): Σ_i r_{t,i} + V_{t+1,1} − V_{t,1} (turn-start values only).
-    num_turns: K >= any row's turns (None: read back, one host sync). Returns delta_turn (B, K),
-    0 where absent, and turn_mask (B, K) bool."""
+    num_turns: K >= any row's turns (None: read back, one host sync). Returns delta_turn (B, K)
+    (0 where absent), turn_mask (B, K) bool."""
     if validate:
         _validate_tokens(turn_ids, num_turns, delta=delta)
     K = _num_turns(turn_ids) if num_turns is None else num_turns
@@ -198,8 +197,7 @@ def mpo_advantages(rewards: torch.Tensor, values: torch.Tensor, turn_ids: torch.
     Defaults: the paper's (λ, λ_intra, β) = (0.80, 0.95, 1.00) (§7); β = 0: "turn GAE only".
     num_turns: a bound on any row's turns (saves a host sync); critic_target: what `returns`
     holds, "mae" (values + A^MAE before whitening) or "lambda_return" (`multiscale_lambda_returns`,
-    train_min's). Returns A^MAE (whitened if `whiten`) and returns, (B, T), 0 off turns.
-    Examples: tests/api_examples.md."""
+    train_min's). Returns A^MAE (whitened if `whiten`), returns: (B, T), 0 off turns."""
     if critic_target not in CRITIC_TARGETS:
         raise ValueError(f"critic_target must be one of {CRITIC_TARGETS}, got {critic_target!r}")
     _refuse_grad(_TARGETS.format("mpo_advantages"), rewards=rewards, values=values)
@@ -293,12 +291,11 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
 
 @torch.no_grad()
 def _policy_stats(turn_ids, clipped, ratio, rho_turn, rho_token, log_ratio, eps) -> dict:
-    """policy_loss's stats (0-dim), over this call's action tokens: clip_frac (the share whose term
-    took the clipped branch), approx_kl (the mean of ρ_{t,i} − 1 − log ρ_{t,i}), ratio_mean and
-    ratio_max (of the ratio used); over its turns, each once: turn_clip_frac (the share with ρ_t
-    outside [1 − ε, 1 + ε_high]), turn_log_ratio_mean and turn_log_ratio_std (the mean and sample
-    SD of log ρ_t; 0 without a turn, the SD 0 below two). To pool micro-batches, weight each by
-    its own tokens or turns (a mean of fractions, maxima or SDs is not the batch's)."""
+    """policy_loss's stats (0-dim). Over the call's action tokens: clip_frac (the share whose term
+    took the clipped branch), approx_kl (mean of ρ_{t,i} − 1 − log ρ_{t,i}), ratio_mean, ratio_max
+    (of the ratio used); over its turns, each once: turn_clip_frac (the share with ρ_t outside
+    [1 − ε, 1 + ε_high]), turn_log_ratio_mean and _std (mean, sample SD of log ρ_t; 0 without a
+    turn, the SD 0 below two). Pool micro-batches by these token and turn counts."""
     act, first, dtype = turn_ids >= 0, _turn_starts(turn_ids), log_ratio.dtype
     n_act, n_first = torch.count_nonzero(act).clamp(min=1), torch.count_nonzero(first).to(dtype)
     outside = (rho_turn < 1 - eps[0]) | (rho_turn > 1 + eps[1])               # (B, T) bool
