@@ -264,7 +264,8 @@ def one_thread():
     torch.set_num_threads(n)
 
 
-# --- The tiny model of the trainer tests (test_train_*, test_trainer_gpu_path, test_turn_critic)
+# --- The tiny model of the tests that train (test_train_*, test_trainer_gpu_path, test_turn_critic,
+#     test_grid, test_critic_offline)
 @pytest.fixture(scope="module")
 def base(tmp_path_factory, request):
     """A folder per test module for its runs and its tiny model."""

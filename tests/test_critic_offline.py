@@ -1,4 +1,4 @@
-"""experiments/smol/critic_offline.py's pieces that need no model: the split by question, the
+"""experiments/records/smol/critic_offline.py's pieces that need no model: the split by question, the
 reference's features, explained variance, the report and the command line's checks."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 spec = importlib.util.spec_from_file_location("critic_offline",
-                                              ROOT / "experiments" / "smol" / "critic_offline.py")
+                                              ROOT / "experiments" / "records" / "smol" / "critic_offline.py")
 co = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(co)
 
@@ -165,14 +165,10 @@ def test_mlp_head_starts_at_zero_and_can_learn():
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """The tiny Qwen2 of the tests (2 layers) and a config that adapts both layers."""
-    import presets
-    import train_min
-    base = tmp_path_factory.mktemp("critic_offline")
-    cfg0 = train_min.parse_config(["--preset", "tiny", "--out_dir", str(base / "unused")])
-    path = presets.build_tiny_model(base / "tiny", train_min.make_suite(cfg0).corpus)
-    return path, base
+def tiny(tiny_path, base):
+    """The tests' shared tiny Qwen2 (2 layers; tests/conftest.py: `tiny_path`) and this module's
+    folder, as the pair the tests below unpack."""
+    return tiny_path, base
 
 
 def toy_episodes(n: int = 8) -> list[dict]:

@@ -1,9 +1,10 @@
 """experiments/launcher.py, grid.py and testbed.py: the finished-marker, skip and resume, the paper
 grids, compare tables and plots from real tiny-preset runs, and the testbed study end to end.
 
-The tiny-preset runs use a tiny model built once here without warm start (seconds), passed with
---model so nothing is downloaded or rebuilt; torch runs single-threaded as in test_train_runs.py
-(two threads on a loaded 2-core machine are ~1000x slower for tiny matmuls).
+The tiny-preset runs use the shared tiny model (tests/conftest.py: `tiny_path`, built once per
+module without warm start, seconds), passed with --model so nothing is downloaded or rebuilt;
+torch runs single-threaded (`one_thread`: two threads on a loaded 2-core machine are ~1000x
+slower for tiny matmuls).
 """
 from __future__ import annotations
 
@@ -14,24 +15,12 @@ import signal
 from pathlib import Path
 
 import pytest
-import torch
 
 import mpo
-import presets
 import train_min
 from experiments import grid, launcher, significance as sig, testbed
 from experiments import testbed_lib, testbed_map, testbed_v2
 from helpers import run_main
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> str:
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    suite = train_min.make_suite(train_min.parse_config(["--preset", "tiny"]))
-    path = presets.build_tiny_model(tmp_path_factory.mktemp("model") / "tiny", suite.corpus)
-    yield path
-    torch.set_num_threads(n)
 
 
 def tiny_job(tiny_model: str, out: Path, *extra: str) -> dict:
@@ -65,8 +54,8 @@ def test_a_marker_counts_as_finished_only_with_the_same_arguments(tmp_path):
     assert not launcher.is_finished(job)
 
 
-def test_a_run_stopped_before_its_last_step_is_not_finished_and_resumes(tiny_model, tmp_path,
-                                                                        monkeypatch):
+def test_a_run_stopped_before_its_last_step_is_not_finished_and_resumes(tiny_path, one_thread,
+                                                                        tmp_path, monkeypatch):
     """SIGTERM during step 1 of 2: train_min checkpoints and returns normally at step 1; the grid
     must not call that finished, and the same grid again resumes it to step 2."""
     real, calls = mpo.outcome_rewards, []
@@ -79,7 +68,7 @@ def test_a_run_stopped_before_its_last_step_is_not_finished_and_resumes(tiny_mod
     monkeypatch.setattr(mpo, "outcome_rewards", preempted)
     monkeypatch.setattr(launcher, "git_commit", lambda: "aaa1111")    # the first sitting's code
     monkeypatch.setattr(launcher, "LOADED_CODE", [])                 # a fresh process
-    job = tiny_job(tiny_model, tmp_path / "run")
+    job = tiny_job(tiny_path, tmp_path / "run")
     with pytest.raises(SystemExit, match="stopped at step 1 of 2"):
         launcher.run_jobs([job])
     marker = launcher.read_marker(tmp_path / "run")
@@ -100,7 +89,7 @@ def test_a_run_stopped_before_its_last_step_is_not_finished_and_resumes(tiny_mod
     assert "resumed from" in (tmp_path / "run" / "log.txt").read_text()
     assert metrics_steps(tmp_path / "run")[-2:] == [1, 2]
     # other flags: not finished, trained again from step 0 rather than resumed
-    other = tiny_job(tiny_model, tmp_path / "run", "--lam", "0.6")
+    other = tiny_job(tiny_path, tmp_path / "run", "--lam", "0.6")
     [marker] = launcher.run_jobs([other])
     assert marker["finished"] and marker["argv"] == other["argv"]
     assert marker["commits"] == ["bbb2222"]                       # a fresh run: its own code only
@@ -238,11 +227,11 @@ def test_code_commit_is_the_commit_a_process_loaded_not_a_later_checkout(monkeyp
     assert launcher.code_state() == ("ccc3333", None)
 
 
-def test_paper_grid_runs_each_point_and_seed_once_then_skips_finished_runs(tiny_model, tmp_path,
-                                                                           monkeypatch):
+def test_paper_grid_runs_each_point_and_seed_once_then_skips_finished_runs(tiny_path, one_thread,
+                                                                           tmp_path, monkeypatch):
     """Fresh spawned processes, one per run, as on a GPU."""
     monkeypatch.setitem(grid.GRIDS, "test", [{"variant": "mpo"}, {"lam": 0.6}])
-    extra = ["--preset", "tiny", "--model", tiny_model, "--steps", "1", "--eval_every", "1",
+    extra = ["--preset", "tiny", "--model", tiny_path, "--steps", "1", "--eval_every", "1",
              "--cpu_threads", "1"]
     jobs = grid.paper_jobs("test", [3], tmp_path, extra)
     assert [Path(j["out"]).name for j in jobs] == ["variantmpo-s3", "lam0.6-s3"]
@@ -263,14 +252,14 @@ def test_paper_grid_runs_each_point_and_seed_once_then_skips_finished_runs(tiny_
 # ---------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def four_runs(tiny_model, tmp_path_factory) -> list[Path]:
+def four_runs(tiny_path, one_thread, tmp_path_factory) -> list[Path]:
     """Settings A and C, two seeds each, 2 steps, validated every step: real metrics.jsonl files."""
     root = tmp_path_factory.mktemp("runs")
     dirs = []
     for variant in ("mpo", "mpo_beta0"):
         for seed in (0, 1):
             out = root / f"{variant}-s{seed}"
-            run_main(["--preset", "tiny", "--model", tiny_model, "--variant", variant,
+            run_main(["--preset", "tiny", "--model", tiny_path, "--variant", variant,
                       "--seed", str(seed), "--steps", "2", "--eval_every", "1",
                       "--out_dir", str(out)])
             dirs.append(out)
