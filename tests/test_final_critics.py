@@ -1,4 +1,4 @@
-"""experiments/smol/final_critics.py: the statistics of a critic at turn starts, by hand."""
+"""experiments/records/smol/final_critics.py: the statistics of a critic at turn starts, by hand."""
 from __future__ import annotations
 
 import sys
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "experiments" / "smol"))
+sys.path.insert(0, str(ROOT / "experiments" / "records" / "smol"))
 
 import final_critics as fc  # noqa: E402
 

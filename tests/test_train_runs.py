@@ -197,11 +197,11 @@ def test_resume_reproduces_an_uninterrupted_run_exactly(e2e, full_run, base, par
 
 
 def test_replay_steps_records_the_run_s_own_updates_from_a_checkpoint(e2e, full_run, base):
-    """experiments/smol/replay_steps.py resumes a run from its step-2 checkpoint in a scratch folder:
+    """experiments/records/smol/replay_steps.py resumes a run from its step-2 checkpoint in a scratch folder:
     the replayed weights equal the run's step-4 checkpoint, with one record per episode and one
     entry per turn."""
     import importlib.util
-    spec = importlib.util.spec_from_file_location("replay_steps", ROOT / "experiments" / "smol" / "replay_steps.py")
+    spec = importlib.util.spec_from_file_location("replay_steps", ROOT / "experiments" / "records" / "smol" / "replay_steps.py")
     replay = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(replay)
     out_file = base / "replay" / "r.json"
@@ -227,7 +227,7 @@ def test_replay_steps_records_the_run_s_own_updates_from_a_checkpoint(e2e, full_
 def test_replay_turn_rows_reads_each_turn_s_tokens():
     import importlib.util
     from types import SimpleNamespace
-    spec = importlib.util.spec_from_file_location("replay_steps", ROOT / "experiments" / "smol" / "replay_steps.py")
+    spec = importlib.util.spec_from_file_location("replay_steps", ROOT / "experiments" / "records" / "smol" / "replay_steps.py")
     replay = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(replay)
     #            prompt  turn 0 (3 tokens)  obs  turn 1 (2 tokens)  pad

@@ -263,3 +263,24 @@ def test_ratio_max_is_the_largest_and_losses_average_over_minibatches():
 def test_count_turns():
     tid = torch.tensor([[-1, 0, 0, -1, 1], [-1, -1, -1, -1, -1], [0, -1, 1, -1, 2]])
     assert count_turns(tid) == 5
+
+
+# --- docs/integration.md: its two code blocks run as the page says -----------------------------
+def test_the_integration_page_runs_as_printed_and_its_variant_registers(capsys, tmp_path):
+    import re
+    text = (ROOT / "docs" / "integration.md").read_text()
+    minimal, variant = re.findall(r"```python\n(.*?)```", text, re.S)
+    exec(minimal, {})
+    printed = re.search(r"\nprints\n\n```\n(.*?)```", text, re.S).group(1)
+    assert capsys.readouterr().out == printed
+    exec(variant, {})
+    try:
+        cfg = train_min.parse_config(["--preset", "testbed", "--variant", "reinforce_mean",
+                                      "--out_dir", str(tmp_path)])
+        assert cfg.spec.advantages.__name__ == "mean_baseline" and not cfg.uses_critic
+        with pytest.raises(ConfigError, match="--lr_critic 1e-3 is refused: --variant "
+                                              "reinforce_mean has no critic"):
+            train_min.parse_config(["--preset", "testbed", "--variant", "reinforce_mean",
+                                    "--lr_critic", "1e-3", "--out_dir", str(tmp_path)])
+    finally:
+        variants.unregister("reinforce_mean")

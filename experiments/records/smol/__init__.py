@@ -3,7 +3,7 @@ kept runnable as its record. Their results and design notes live in
 experiments/results/smol_hops_critic_offline/, smol_hops_turn/ (and smol_hops_replay/ for the
 replays); the study's driver stays experiments/smol_study.py (docs/smol.md, docs/records/smol.md).
 
-    python experiments/smol/critic_offline.py collect   # then fit | probe | head | transfer | report
-    python experiments/smol/replay_steps.py RUN_DIR --from_step 22 --to_step 24 --out FILE.json
-    python experiments/smol/final_critics.py experiments/results/smol_hops_turn/final_critics/s*.pt
+    python experiments/records/smol/critic_offline.py collect   # then fit | probe | head | transfer | report
+    python experiments/records/smol/replay_steps.py RUN_DIR --from_step 22 --to_step 24 --out FILE.json
+    python experiments/records/smol/final_critics.py experiments/results/smol_hops_turn/final_critics/s*.pt
 """

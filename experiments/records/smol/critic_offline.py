@@ -5,11 +5,11 @@ stayed at or below 0.07 in every run and every critic-only probe (docs/smol.md, 
 shows its critic 16 fresh episodes a step, ~400 in all, and scores it on each new batch of 16,
 whose EV is noisy. This test separates "cannot" from "was not shown enough":
 
-    python experiments/smol/critic_offline.py collect -- --cpu_threads 1          # 640 episodes
-    python experiments/smol/critic_offline.py fit --name top8 -- --cpu_threads 1  # the study's critic
-    python experiments/smol/critic_offline.py fit --name top16 -- --cpu_threads 1 --lora_layers 16
-    python experiments/smol/critic_offline.py report                              # the table
-    python experiments/smol/critic_offline.py transfer --saved S.pt [--record R.json] -- --cpu_threads 1
+    python experiments/records/smol/critic_offline.py collect -- --cpu_threads 1          # 640 episodes
+    python experiments/records/smol/critic_offline.py fit --name top8 -- --cpu_threads 1  # the study's critic
+    python experiments/records/smol/critic_offline.py fit --name top16 -- --cpu_threads 1 --lora_layers 16
+    python experiments/records/smol/critic_offline.py report                              # the table
+    python experiments/records/smol/critic_offline.py transfer --saved S.pt [--record R.json] -- --cpu_threads 1
 
 collect: the warm-started policy (what the critic warm-up sees), sampling as in training, on the
 first --questions questions of seed 0's training order, --n_rollouts episodes each; one file per
@@ -41,7 +41,7 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 import trainer.critics  # noqa: E402  (the repository root, just put on the path)
 import trainer.model  # noqa: E402  (the repository root, just put on the path)
@@ -810,7 +810,7 @@ def transfer(args, extra: list[str]) -> dict:
     import copy
 
     import mpo
-    from experiments.smol.final_critics import turn_start_stats
+    from experiments.records.smol.final_critics import turn_start_stats
     from safetensors.torch import load_file
     out = Path(args.out)
     train, _ = split(load_episodes(out))

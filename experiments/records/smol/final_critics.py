@@ -1,7 +1,7 @@
 """Issue 41's final turn critics on fresh validation episodes: does V predict R(τ) there, and
 if not, is the signal missing or only its scale wrong?
 
-    python experiments/smol/final_critics.py experiments/results/smol_hops_turn/final_critics/s*.pt \
+    python experiments/records/smol/final_critics.py experiments/results/smol_hops_turn/final_critics/s*.pt \
         [--out experiments/results/smol_hops_turn/final_critics/table.md]
 
 Reads the files `experiments/appendix_c.py --last --save` writes (each critic's values on the
@@ -20,7 +20,7 @@ import argparse
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402

@@ -1,6 +1,6 @@
 """Replay a run's training steps from one of its checkpoints and record what each update was given.
 
-    python experiments/smol/replay_steps.py RUN_DIR --from_step 22 --to_step 24 --out FILE.json
+    python experiments/records/smol/replay_steps.py RUN_DIR --from_step 22 --to_step 24 --out FILE.json
 
 Resume is exact (tests/test_train_runs.py), so the replayed rollouts are the run's own: the script
 copies the run's config, metrics and checkpoint `--from_step` to a scratch folder, resumes there
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 
 
