@@ -3,7 +3,7 @@ the paper's run does not (a tiny Qwen2 built on the spot, its supervised warm st
 credit-assignment testbed of testbed_env.py, SmolLM2's conversion and warm start).
 
     python train_min.py --preset smol       # a real pretrained LLM (SmolLM2-135M-Instruct) on CPU
-    python train_min.py --preset tiny       # the whole loop on CPU with a tiny random Qwen2
+    python train_min.py --preset tiny       # a smoke run of the loop on CPU (tiny Qwen2, learns nothing)
     python train_min.py --preset testbed    # a CPU task a tiny model learns from scratch
 
 A preset is one entry of PRESETS. train_min.parse_config applies its `overrides` (unless the flag is

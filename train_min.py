@@ -7,7 +7,7 @@ with MPO on one 24 GB GPU, with its ablations and baselines.
     python train_min.py --variant ppo | grpo | gspo   # baselines
     python train_min.py --preset qwen3_thinking    # the paper's model, Qwen3-4B-Thinking (GPU)
     python train_min.py --preset smol              # the CPU demo (the plain command without a GPU)
-    python train_min.py --preset tiny              # the whole loop on CPU in < 2 minutes
+    python train_min.py --preset tiny              # a smoke run of the loop on CPU (learns nothing)
     python train_min.py --preset testbed           # CPU credit-assignment task (docs/testbed.md)
 
 What runs: a frozen base model in 4-bit NF4 (bitsandbytes) carrying two LoRA adapters, "policy"
@@ -81,7 +81,9 @@ def arg(default, help: str):
 class Config:
     # --- run ---
     preset: str = arg("default", "default (the paper's §10 run, GPU) | qwen3_thinking (the "
-                      "paper's model, GPU) | smol | smol_hops | tiny | testbed: presets.py")
+                      "paper's model, GPU) | smol | smol_hops | tiny (a smoke run of the "
+                      "loop: a random tiny model, reward 0 throughout; --preset testbed learns "
+                      "on a CPU) | testbed: presets.py")
     variant: str = arg("mpo", "mpo (A) | mpo_token_is (B) | mpo_beta0 (C) | ppo | grpo | gspo "
                        "| vapo | sao (a labelled reconstruction: docs/baselines.md); variants.py; "
                        "a flag the variant fixes or never reads is refused")

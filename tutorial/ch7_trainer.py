@@ -168,7 +168,9 @@ def micro_batch_grads(model, micro_batches, num_tokens):
                                 num_tokens=num_tokens, validate=False)
         (loss_pi + 0.5 * loss_v).backward()
         n_mb = int((turn_ids_b[mb] >= 0).sum())
-        out.append({k: float(x) for k, x in st.items()} | {"n": n_mb, "policy_loss": float(loss_pi.detach()),
+        turns = int((turn_ids_b[mb].amax(dim=1) + 1).sum())                  # turns in this micro-batch
+        out.append({k: float(x) for k, x in st.items()} | {"n": n_mb, "turns": turns,
+                                                          "policy_loss": float(loss_pi.detach()),
                                                           "value_loss": float(loss_v.detach())})
     return torch.cat([p.grad.flatten() for p in model.parameters()]), out
 
@@ -206,14 +208,19 @@ hist = []
 for epoch in range(4):
     _, st = micro_batch_grads(model, [slice(0, 2), slice(2, 3)], n_tok)
     opt.step()
-    # losses already carry 1/num_tokens: sum them; token-weight the per-micro-batch means
-    s = {k: sum(d[k] if k.endswith("loss") else d[k] * d["n"] / n_tok for d in st) for k in st[0] if k != "n"}
+    # losses already carry 1/num_tokens: sum them; a token mean counts by tokens, a turn fraction
+    # by turns (1 of 6 turns clipped is 1/6, whatever their tokens; train_min: trainer/stats.py)
+    n_turns = sum(d["turns"] for d in st)
+    s = {k: sum(d[k] if k.endswith("loss") else
+                d[k] * (d["turns"] / n_turns if k == "turn_clip_frac" else d["n"] / n_tok) for d in st)
+         for k in ("policy_loss", "value_loss", "clip_frac", "turn_clip_frac", "approx_kl")}
     hist.append(s)
     print(f"epoch {epoch}: policy_loss {fmt(s['policy_loss'], 4, True)}"
           f"  value_loss {s['value_loss']:.4f}  clip_frac {fmt(s['clip_frac'], 2)}"
           f"  turn_clip_frac {fmt(s['turn_clip_frac'], 2)}  approx_kl {fmt(s['approx_kl'])}")
-EXPECTED = [(0.0, 0.2288, 0.0, 0.0, 0.0), (-0.0781, 0.2078, 0.24, 0.26, 0.0007),   # the lines above
-            (-0.1296, 0.1884, 0.56, 0.56, 0.0019), (-0.1431, 0.1702, 0.68, 0.71, 0.0033)]
+EXPECTED = [(0.0, 0.2288, 0.0, 0.0, 0.0), (-0.0781, 0.2078, 0.24, 1 / 6, 0.0007),   # the lines above
+            (-0.1296, 0.1884, 0.56, 3 / 6, 0.0019), (-0.1431, 0.1702, 0.68, 4 / 6, 0.0033)]
+assert [round(h["turn_clip_frac"] * 6, 9) for h in hist] == [0, 1, 3, 4]     # 0, 1, 3, 4 of 6 turns
 for h, e in zip(hist, EXPECTED):
     keys = ("policy_loss", "value_loss", "clip_frac", "turn_clip_frac", "approx_kl")
     assert close([h[k] for k in keys], e, 5e-3) and close([h[k] for k in keys[:2]], e[:2], 5e-5)
