@@ -513,6 +513,7 @@ def test_why_section_prose_numbers_come_from_its_raw_file():
     shares = [share(C, A), share(wA, A), share(wC, C)]
     assert shares == ["0.78", "0.63", "0.44"]         # each alone, none "the gap's size"
     summary = page("docs/results.md")                 # the same numbers in the results page
+    record = " ".join(page("docs/records/results.md").split())   # and in its dated record
     for sentence in (f"each measured alone against the {diff(G, A).split(' ±')[0].lstrip('+')}-"
                      f"point gap",
                      f"(C − A {diff(C, A)}, {shares[0]} of the gap; λ_intra = 1 recovers "
@@ -523,6 +524,7 @@ def test_why_section_prose_numbers_come_from_its_raw_file():
                      f"more rollout batches, {equal} at equal samples, the turn critic none)",
                      f"falls to A's level ({diff(('dr_grpo', 'grpo'), G)} against GRPO)"):
         assert sentence in summary, sentence
+        assert " ".join(sentence.split()) in record, sentence
     assert (f"(+5.6 ± 4.3 with the warm-up, after 30 more rollout batches: {equal} at equal "
             f"samples; {diff(tc, G)} with the turn critic, at equal samples)"
             ) in page("docs/testbed.md")
