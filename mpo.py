@@ -42,7 +42,7 @@ _TARGETS = "{} computes targets (advantages, returns), not a differentiable expr
 _CLAMP = "a finite number > 0 (the clamp of a log-ratio before exp)"
 
 
-# --- From a trainer's batch to the paper's quantities ----------------------------------------
+# --- From a trainer's batch to the paper's quantities; (M1) token TD residuals, (M2) turn sums ---
 def turn_ids_from_mask(action_mask: torch.Tensor) -> torch.Tensor:
     """Turn ids (B, T) int64 from a 0/1 action mask (B, T) (verl's, TRL's): each maximal run of 1s
     the next turn, -1 elsewhere. Example: [[0, 1, 1, 0, 0, 1, 0]] -> [[-1, 0, 0, -1, -1, 1, -1]]."""
@@ -69,7 +69,6 @@ def outcome_rewards(scores: torch.Tensor, turn_ids: torch.Tensor) -> torch.Tenso
     return torch.where(last, scores[:, None], 0)                              # (B, T)
 
 
-# --- (M1) Token TD residuals and (M2) their per-turn sums ------------------------------------
 def token_td_residuals(rewards: torch.Tensor, values: torch.Tensor, turn_ids: torch.Tensor,
                        *, validate: bool = True) -> torch.Tensor:
     """(M1): token TD residuals δ_{t,i} = r_{t,i} + V_next − V_{t,i} (γ = 1), (B, T).
@@ -137,15 +136,14 @@ def intra_turn_traces(delta: torch.Tensor, turn_ids: torch.Tensor, lam_intra: fl
     return _masked(reverse_scan(d, decay), act, dtype)                        # (B, T)
 
 
-# --- Eq. (20): the MAE projection ------------------------------------------------------------
+# --- Eq. (20): the MAE projection, and (M8)'s critic target R: the multi-scale λ-return -------
 def mae_projection(adv_turn: torch.Tensor, adv_intra: torch.Tensor, turn_ids: torch.Tensor,
                    beta: float, *, validate: bool = True) -> torch.Tensor:
-    """Eq. (20): the centred intra-turn correction (MAE projection) of the turn-level credit.
-    A^MAE_{t,i} = A^turn_t + β (A^intra_{t,i} − mean_i A^intra_{t,i}), (B, T) from (B, K) and
-    (B, T): the least-squares projection of β·A^intra_t onto {w : mean_i w_i = A^turn_t} (§6;
-    docs/equations.md): each turn keeps its mean A^turn_t, its tokens their local differences.
-    β > 0 ranks a turn's tokens by where the critic's values move: if at its end, late tokens
-    gain, whatever each did (testbed v4: docs/records/testbed/v4-beta-probe.md)."""
+    """Eq. (20): A^MAE_{t,i} = A^turn_t + β (A^intra_{t,i} − mean_i A^intra_{t,i}), (B, T) from
+    (B, K), (B, T): the MAE projection (§6; docs/equations.md), the least-squares projection of
+    β·A^intra_t onto {w : mean_i w_i = A^turn_t}: each turn keeps its mean A^turn_t, its tokens
+    their centred local differences. β > 0 ranks tokens by where the critic's values move: if at
+    a turn's end, late tokens gain, whatever each did (docs/records/testbed/v4-beta-probe.md)."""
     if validate:
         [beta] = _check_coefficients(beta=beta)
         _check_rows(turn_ids, _validate_tokens(turn_ids, adv_intra=adv_intra), adv_turn=adv_turn)
@@ -157,7 +155,6 @@ def mae_projection(adv_turn: torch.Tensor, adv_intra: torch.Tensor, turn_ids: to
     return _gather_turn(adv_turn.to(dtype), turn_ids) + _as_float(beta) * correction  # (B, T)
 
 
-# --- The critic's regression target R of (M8): the multi-scale λ-return ----------------------
 def multiscale_lambda_returns(values: torch.Tensor, adv_turn: torch.Tensor,
                               adv_intra: torch.Tensor, turn_ids: torch.Tensor, lam: float,
                               lam_intra: float, *, validate: bool = True) -> torch.Tensor:
@@ -226,12 +223,11 @@ def _own_token_ratio(log_ratio: torch.Tensor, rho: torch.Tensor) -> torch.Tensor
 
 def turn_ratio(logp: torch.Tensor, old_logp: torch.Tensor, turn_ids: torch.Tensor,
                *, max_log_ratio: float = 20.0, validate: bool = True) -> torch.Tensor:
-    """(M6): the stop-gradient turn ratio (§3), ρ̃_{t,i} = ρ_{t,i} · sg(Π_{j≠i} ρ_{t,j}).
-    Forward: every token of turn t carries ρ_t = exp Σ_j (logp − old_logp), the ratio of the
-    turn the environment received. Backward: ∂ρ̃_{t,i}/∂logp_{t,i} = ρ_t, nothing to the
-    turn's other tokens, so Eq. (20)'s centred corrections survive (a shared differentiable ρ_t
-    cancels them, §3). max_log_ratio clamps a turn's log-ratio sum: it bounds ρ, not the loss
-    (docs/equations.md, choice 4). Returns ratio (B, T): ρ̃ on turns, 1 elsewhere."""
+    """(M6): the stop-gradient turn ratio (§3), ρ̃_{t,i} = ρ_{t,i} · sg(Π_{j≠i} ρ_{t,j}). Forward:
+    turn t's tokens carry ρ_t = exp Σ_j (logp − old_logp), the ratio of the turn the environment
+    got. Backward: ∂ρ̃_{t,i}/∂logp_{t,i} = ρ_t, 0 to the turn's other tokens, so Eq. (20)'s centred
+    corrections survive (a shared differentiable ρ_t cancels them, §3). Clamping a turn's Σ at
+    ±max_log_ratio bounds ρ, not the loss (docs/equations.md, choice 4). (B, T), 1 off turns."""
     if validate:
         [max_log_ratio] = _check_coefficients(max_log_ratio=max_log_ratio)
         _validate_tokens(turn_ids, logp=logp, old_logp=old_logp)
@@ -247,14 +243,13 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
                 *, clip_eps_high: float | None = None, dual_clip: float | None = None,
                 num_tokens: int | torch.Tensor | None = None, max_log_ratio: float = 20.0,
                 validate: bool = True) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """(M7): the clipped surrogate, L = (1/N) Σ max(−ρA, −clip(ρ, 1−ε, 1+ε_high) A), a token mean
-    over N action tokens (num_tokens: the whole batch's, for micro-batches). ratio_level picks ρ:
-    "turn" ρ̃ of `turn_ratio` (MPO); "token" exp(logp − old_logp) (PPO, "MPO w/ token IS");
-    "sequence" (B3) GSPO-token, s_b = exp(mean of the row's log-ratios); all own-token gradients
-    (docs/equations.md, 3-4). clip_eps ε: 0.2 (`GSPO_CLIP` for "sequence"); clip_eps_high: DAPO's
-    ε_high (default ε); dual_clip c > 1 caps a term with A < 0 at c·|A|. Returns loss (0-dim) and
-    stats (`_policy_stats`): clip_frac, turn_clip_frac, approx_kl, ratio_mean, ratio_max,
-    turn_log_ratio_mean, turn_log_ratio_std."""
+    """(M7): the clipped surrogate L = (1/N) Σ max(−ρA, −clip(ρ, 1−ε, 1+ε_high) A), a token mean
+    over N action tokens (num_tokens: the whole batch's). ratio_level picks ρ: "turn" ρ̃ of
+    `turn_ratio` (MPO); "token" exp(logp − old_logp) (PPO, "MPO w/ token IS"); "sequence" (B3)
+    GSPO-token, s_b = exp(the row's mean log-ratio); all own-token gradients (docs/equations.md,
+    3-4). clip_eps ε: 0.2 (`GSPO_CLIP` for "sequence"); clip_eps_high: DAPO's ε_high (default ε);
+    dual_clip c > 1 caps a term with A < 0 at c·|A|. Returns loss (0-dim), stats (`_policy_stats`):
+    clip_frac, turn_clip_frac, approx_kl, ratio_mean, ratio_max, turn_log_ratio_mean and _std."""
     if ratio_level not in RATIO_LEVELS:
         raise ValueError(f"ratio_level must be one of {RATIO_LEVELS}, got {ratio_level!r}")
     if clip_eps is None and ratio_level == "sequence":                       # GSPO's own range
@@ -312,7 +307,7 @@ def _policy_stats(turn_ids, clipped, ratio, rho_turn, rho_token, log_ratio, eps)
             "turn_log_ratio_std": torch.where(n_first > 1, var.sqrt(), 0)}   # 0 below 2 turns
 
 
-# --- (M8) The critic loss --------------------------------------------------------------------
+# --- (M8) The critic loss, and a turn-boundary critic (§12): values at turn starts only -------
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
                turn_ids: torch.Tensor, clip: float | None = None, *,
                num_tokens: int | torch.Tensor | None = None, validate: bool = True) -> torch.Tensor:
@@ -333,7 +328,6 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     return 0.5 * _masked(err, act, dtype).sum() / n.to(values.device).clamp(min=1)
 
 
-# --- A turn-boundary critic (§12): values at turn starts only --------------------------------
 def turn_start_positions(turn_ids: torch.Tensor, num_turns: int | None = None, *,
                          validate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Where a turn-boundary critic is read and trained: each turn's first token, whose V_{t,1}
@@ -352,10 +346,9 @@ def turn_start_positions(turn_ids: torch.Tensor, num_turns: int | None = None, *
 def spread_turn_values(values_turn: torch.Tensor, turn_ids: torch.Tensor, *,
                        validate: bool = True) -> torch.Tensor:
     """A turn-boundary critic's V_{t,1} (B, K) on every token of turn t (B, T), 0 off turns: the
-    `values` it hands `mpo_advantages`. (M2)-(M3) then give the turn GAE of these values, but (M4)
-    is the fixed profile λ_intra^(L_t − i) δ^turn_t (position alone): use β = 0 (train_min's
-    --critic turn refuses β > 0), and as target the turn λ-return V_{t,1} + A^turn_t, the `returns`
-    of `mpo_advantages(..., beta=0, critic_target="mae")` ("lambda_return" shrinks it)."""
+    `values` it hands `mpo_advantages`. (M2)-(M3) give their turn GAE, but (M4) is the fixed
+    profile λ_intra^(L_t − i) δ^turn_t: use β = 0 (train_min's --critic turn refuses β > 0) and
+    target the turn λ-return V_{t,1} + A^turn_t, the "mae" returns ("lambda_return" shrinks it)."""
     if validate:
         _check_rows(turn_ids, _check_turn_ids(turn_ids), values_turn=values_turn)
         _check_float("values_turn", values_turn)
