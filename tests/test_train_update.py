@@ -358,7 +358,13 @@ def test_critic_only_steps_train_only_the_critic_then_the_policy(fresh, hand_bat
     assert int(opt.state[critic]["step"]) == 3 * c.ppo_epochs
     with pytest.raises(ValueError, match="--critic_warmup_steps 4 leaves no policy update in --steps 4"):
         make_cfg(tiny_path, base, "--critic_warmup_steps", "4")
-    assert make_cfg(tiny_path, base, "--critic_warmup_steps", "2", "--variant", "grpo").critic_warmup_steps == 0
+    # without a critic there is nothing to warm up: a preset's warm-up is set to 0, and (issue 61,
+    # item 2, which replaced "given and ignored") the flag given on the command line is refused
+    assert train_min.parse_config(["--preset", "smol_hops", "--variant", "grpo", "--out_dir",
+                                   str(base / "unit")]).critic_warmup_steps == 0
+    with pytest.raises(train_min.ConfigError, match="--critic_warmup_steps 2 is refused: "
+                                                    "--variant grpo has no critic"):
+        make_cfg(tiny_path, base, "--critic_warmup_steps", "2", "--variant", "grpo")
 
 
 def test_skip_equal_rewards_leaves_the_policy_still_on_a_batch_that_all_scored_the_same(
