@@ -92,10 +92,9 @@ def _td(rewards, values, act: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
 
 def turn_residual_sums(delta: torch.Tensor, turn_ids: torch.Tensor, num_turns: int | None = None,
                        *, validate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """(M2): turn residuals δ^turn_t = Σ_i δ_{t,i}: the turn's TD residual as one macro-action.
-    With γ = 1 it telescopes (§3): Σ_i r_{t,i} + V_{t+1,1} − V_{t,1} (turn-start values only).
-    num_turns: K >= any row's turns (None: read back, one host sync). Returns delta_turn (B, K)
-    (0 where absent), turn_mask (B, K) bool."""
+    """(M2): turn residuals δ^turn_t = Σ_i δ_{t,i} (the turn as a macro-action); with γ = 1 they
+    telescope (§3) to Σ_i r_{t,i} + V_{t+1,1} − V_{t,1}, turn-start V only. num_turns: K >= any
+    row's turns (None: one host sync). Returns delta_turn (B, K), 0 if absent, turn_mask bool."""
     if validate:
         _validate_tokens(turn_ids, num_turns, delta=delta)
     K = _num_turns(turn_ids) if num_turns is None else num_turns
@@ -248,7 +247,7 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     `turn_ratio` (MPO); "token" exp(logp − old_logp) (PPO, "MPO w/ token IS"); "sequence" (B3)
     GSPO-token, s_b = exp(the row's mean log-ratio); all own-token gradients (docs/equations.md,
     3-4). clip_eps ε: 0.2 (`GSPO_CLIP` for "sequence"); clip_eps_high: DAPO's ε_high (default ε);
-    dual_clip c > 1 caps a term with A < 0 at c·|A|. Returns loss (0-dim), stats (`_policy_stats`):
+    dual_clip c > 1 caps a term with A < 0 at c·|A|. Returns loss (0-dim), stats (below):
     clip_frac, turn_clip_frac, approx_kl, ratio_mean, ratio_max, turn_log_ratio_mean and _std."""
     if ratio_level not in RATIO_LEVELS:
         raise ValueError(f"ratio_level must be one of {RATIO_LEVELS}, got {ratio_level!r}")
@@ -280,31 +279,25 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
         term = torch.minimum(term, _as_float(dual_clip) * A.abs())
     n = torch.count_nonzero(act).clamp(min=1) if num_tokens is None else num_tokens   # N
     loss = _masked(term, act, dtype).sum() / torch.as_tensor(n, device=logp.device)
-    return loss, _policy_stats(turn_ids, term != unclipped, ratio, rho_turn, rho_token,
-                               log_ratio, (eps_low, eps_high))
-
-
-@torch.no_grad()
-def _policy_stats(turn_ids, clipped, ratio, rho_turn, rho_token, log_ratio, eps) -> dict:
-    """policy_loss's stats (0-dim). Over the call's action tokens: clip_frac (the share whose term
-    took the clipped branch), approx_kl (mean of ρ_{t,i} − 1 − log ρ_{t,i}), ratio_mean, ratio_max
-    (of the ratio used); over its turns, each once: turn_clip_frac (the share with ρ_t outside
-    [1 − ε, 1 + ε_high]), turn_log_ratio_mean and _std (mean, sample SD of log ρ_t; 0 without a
-    turn, the SD 0 below two). Pool micro-batches by these token and turn counts."""
-    act, first, dtype = turn_ids >= 0, _turn_starts(turn_ids), log_ratio.dtype
+    # Stats (0-dim, detached). Over the call's action tokens: clip_frac (the share whose term took
+    # the clipped branch), approx_kl (mean of ρ_{t,i} − 1 − log ρ_{t,i}), ratio_mean, ratio_max (of
+    # the ratio used); over its turns, each once: turn_clip_frac (the share with ρ_t outside
+    # [1 − ε, 1 + ε_high]), turn_log_ratio_mean and _std (mean, sample SD of log ρ_t; 0 without a
+    # turn, the SD 0 below two). Pool micro-batches by these token and turn counts.
+    first, used = _turn_starts(turn_ids), _masked(ratio.detach(), act, dtype)    # (B, T)
     n_act, n_first = torch.count_nonzero(act).clamp(min=1), torch.count_nonzero(first).to(dtype)
-    outside = (rho_turn < 1 - eps[0]) | (rho_turn > 1 + eps[1])               # (B, T) bool
-    ratio = _masked(ratio, act, dtype)                                        # (B, T)
-    log_rho = torch.where(first, rho_turn.log(), 0)                           # log ρ_t, once each
+    outside = (rho_turn < 1 - eps_low) | (rho_turn > 1 + eps_high)            # (B, T) bool
+    log_rho = torch.where(first, rho_turn.detach().log(), 0)                  # log ρ_t, once each
     mean = log_rho.sum() / n_first.clamp(min=1)
     var = torch.where(first, log_rho - mean, 0).square().sum() / (n_first - 1).clamp(min=1)
-    return {"clip_frac": torch.count_nonzero(act & clipped).to(dtype) / n_act,
-            "turn_clip_frac": torch.count_nonzero(first & outside).to(dtype) / n_first.clamp(min=1),
-            "approx_kl": _masked(rho_token - 1 - log_ratio, act, dtype).sum() / n_act,
-            "ratio_mean": ratio.sum() / n_act,
-            "ratio_max": ratio.amax() if ratio.numel() else ratio.new_zeros(()),
-            "turn_log_ratio_mean": mean,
-            "turn_log_ratio_std": torch.where(n_first > 1, var.sqrt(), 0)}   # 0 below 2 turns
+    return loss, {
+        "clip_frac": torch.count_nonzero(act & (term != unclipped)).to(dtype) / n_act,
+        "turn_clip_frac": torch.count_nonzero(first & outside).to(dtype) / n_first.clamp(min=1),
+        "approx_kl": _masked(rho_token - 1 - log_ratio.detach(), act, dtype).sum() / n_act,
+        "ratio_mean": used.sum() / n_act,
+        "ratio_max": used.amax() if used.numel() else used.new_zeros(()),
+        "turn_log_ratio_mean": mean,
+        "turn_log_ratio_std": torch.where(n_first > 1, var.sqrt(), 0)}   # 0 below 2 turns
 
 
 # --- (M8) The critic loss, and a turn-boundary critic (§12): values at turn starts only -------
@@ -411,23 +404,6 @@ PAPER_TURN_VALUE_STRUCTURE = {"between_share_token_median": 0.895, "between_shar
     "boundary_jump_exceeds_span_frac": 0.224, "n_trajectories": 2048, "n_turns": 16323}
 
 
-def _row_value_structure(v: torch.Tensor, t: torch.Tensor, K: int) -> tuple:
-    """One row's Appendix C numbers: v (n,) its values at action tokens, t (n,) their turns."""
-    dv = v[1:] - v[:-1]
-    crossing = t[1:] != t[:-1]                                              # K − 1 boundary pairs
-    turns = [v[t == k] for k in range(K)]
-    L = torch.tensor([float(x.numel()) for x in turns], dtype=torch.float64)  # (K,) L_t
-    m = torch.stack([x.mean() for x in turns])                                # (K,) turn means
-    between = float((L * (m - v.mean()) ** 2).sum())
-    within = float(sum(((x - x.mean()) ** 2).sum() for x in turns))
-    var_between = float(m.var(unbiased=False))
-    var_within = float(torch.stack([x.var(unbiased=False) for x in turns]).mean())
-    span = torch.stack([x.quantile(0.95) - x.quantile(0.05) for x in turns]).mean()
-    return (between / (between + within), var_between / (var_between + var_within),
-            between > within, float(dv[crossing].abs().mean()) > float(span),
-            float((dv[crossing] ** 2).sum()), float((dv ** 2).sum()))
-
-
 def turn_value_structure(values, turn_ids) -> dict[str, float]:
     """The paper's Appendix C statistics: do the critic's values vary mainly between turns? The
     five shares of §1 and §3 over rows with >= 2 turns and non-constant values, and the counts
@@ -445,8 +421,20 @@ def turn_value_structure(values, turn_ids) -> dict[str, float]:
             K = int(t.max()) + 1 if t.numel() else 0
             constant = K >= 2 and bool((v == v[0]).all())                     # no spread to share
             n_single, n_constant = n_single + (K == 1), n_constant + constant
-            if K >= 2 and not constant:
-                rows.append((K, _row_value_structure(v, t, K)))
+            if K < 2 or constant:                                  # else: its Appendix C numbers
+                continue
+            dv, crossing = v[1:] - v[:-1], t[1:] != t[:-1]                  # K − 1 boundary pairs
+            turns = [v[t == k] for k in range(K)]                           # K values (L_t,)
+            L = torch.tensor([float(x.numel()) for x in turns], dtype=torch.float64)   # (K,) L_t
+            m = torch.stack([x.mean() for x in turns])                      # (K,) turn means
+            between = float((L * (m - v.mean()) ** 2).sum())
+            within = float(sum(((x - x.mean()) ** 2).sum() for x in turns))
+            var_between = float(m.var(unbiased=False))
+            var_within = float(torch.stack([x.var(unbiased=False) for x in turns]).mean())
+            span = torch.stack([x.quantile(0.95) - x.quantile(0.05) for x in turns]).mean()
+            rows.append((K, (between / (between + within), var_between / (var_between + var_within),
+                             between > within, float(dv[crossing].abs().mean()) > float(span),
+                             float((dv[crossing] ** 2).sum()), float((dv ** 2).sum()))))
     cols = list(zip(*[r for _, r in rows])) or [()] * 6
     median = statistics.median if rows else (lambda xs: math.nan)   # the mean of 2 middle ones
     frac = (lambda xs: sum(xs) / len(xs)) if rows else (lambda xs: math.nan)
