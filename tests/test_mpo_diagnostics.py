@@ -221,3 +221,158 @@ def test_explained_variance_matches_loop_reference(b):
     assert ev.dim() == 0 and ev.dtype == F64
     e = ref.explained_variance(b.values, returns, b.turn_ids)
     assert math.isclose(float(ev), e, abs_tol=1e-10), (float(ev), e)
+
+
+# --- decision_gate (issue 62): does the critic's value move at the decisive tokens? --------------
+# Two turns of 3 tokens, the key first, one observation token between (junk value):
+# [k f f | obs | k f f]; R = the fraction of the 2 keys right, on the last token.
+GATE_TIDS = [0, 0, 0, -1, 1, 1, 1]
+GATE_KEYS = [True, False, False, False, True, False, False]
+GATE_VERDICTS = [(1, 0), (0, 1), (1, 1), (0, 0)]
+
+
+def gate_batch(value_of, rows=GATE_VERDICTS):
+    """values, rewards, turn_ids, decisive, verdicts for rows of 2 verdicts; value_of(v0, v1) gives
+    the row's 7 values (position 3, the observation, is junk)."""
+    values = torch.tensor([value_of(*v) for v in rows], dtype=F64)
+    rewards = torch.zeros_like(values)
+    rewards[:, 6] = torch.tensor([sum(v) / 2 for v in rows], dtype=F64)
+    turn_ids = torch.tensor([GATE_TIDS] * len(rows))
+    decisive = torch.tensor([GATE_KEYS] * len(rows))
+    verdicts = torch.tensor([[v0, 9.0, 9.0, 9.0, v1, 9.0, 9.0] for v0, v1 in rows], dtype=F64)
+    return values, rewards, turn_ids, decisive, verdicts
+
+
+def oracle_key(v0, v1):
+    """V = (keys right so far + 0.5 per key not yet made) / 2: a turn judged once its key is in."""
+    return [0.5, (v0 + 0.5) / 2, (v0 + 0.5) / 2, 1e3, (v0 + 0.5) / 2, (v0 + v1) / 2, (v0 + v1) / 2]
+
+
+def oracle_boundary(v0, v1):
+    """The same, a turn judged once the reply after it is in (the last turn: by R itself)."""
+    return [0.5, 0.5, 0.5, -1e3, (v0 + 0.5) / 2, (v0 + 0.5) / 2, (v0 + 0.5) / 2]
+
+
+def test_decision_gate_oracle_key_value_moves_at_the_key_by_its_verdict():
+    batch = gate_batch(oracle_key)
+    delta = mpo.token_td_residuals(*batch[1::-1], batch[2])
+    assert torch.equal(delta[:, [0, 4]], (batch[4][:, [0, 4]] - 0.5) / 2)       # δ = ±0.25 at keys
+    assert torch.equal(delta[:, [2, 6]], torch.zeros(4, 2, dtype=F64))       # 0 at the turn ends
+    out = diagnostics.decision_gate(*batch)
+    assert out["key_share"] == 1.0 and abs(out["key_corr"] - 1.0) <= 1e-12
+    assert math.isnan(out["boundary_corr"])                # δ at the ends is 0: constant
+    assert out["n_decisions"] == 8 and out["n_turns"] == 8
+
+
+def test_decision_gate_boundary_value_moves_only_on_the_turns_last_token():
+    batch = gate_batch(oracle_boundary)
+    delta = mpo.token_td_residuals(*batch[1::-1], batch[2])
+    assert torch.equal(delta[:, [2, 6]], (batch[4][:, [0, 4]] - 0.5) / 2)       # ±0.25 at the ends
+    out = diagnostics.decision_gate(*batch)
+    assert out["key_share"] == 0.0 and math.isnan(out["key_corr"])   # δ at the keys is 0
+    assert abs(out["boundary_corr"] - 1.0) <= 1e-12
+    assert out["n_decisions"] == 8 and out["n_turns"] == 8
+
+
+def test_decision_gate_mixed_critic_by_hand():
+    """One turn [junk, k f f] per row, R = the verdict: δ = [0.4, 0, 0.1], [−0.2, 0, −0.3],
+    [0, 0, 0.5]; verdicts [1, 0, 1]. key_share = (0.16 + 0.04) / (0.2 + 0.01 + 0.09 + 0.25) = 4/11.
+    key δ centred [1/3, −4/15, −1/15], verdicts [1/3, −2/3, 1/3]: 4/15 / √(42/225 · 2/3) = 2/√7;
+    end δ centred [0, −0.4, 0.4]: 0.4 / √(0.32 · 2/3) = √3/2."""
+    values = torch.tensor([[7.0, 0.5, 0.9, 0.9], [-7.0, 0.5, 0.3, 0.3], [1e3, 0.5, 0.5, 0.5]],
+                          dtype=F64)
+    rewards = torch.tensor([[0, 0, 0, 1.0], [0, 0, 0, 0], [0, 0, 0, 1.0]], dtype=F64)
+    turn_ids = torch.tensor([[-1, 0, 0, 0]] * 3)
+    decisive = torch.tensor([[False, True, False, False]] * 3)
+    verdicts = torch.tensor([[0.3, 1, 0, 0], [0.3, 0, 0, 0], [0.3, 1, 0, 0]], dtype=F64)
+    out = diagnostics.decision_gate(values, rewards, turn_ids, decisive, verdicts)
+    assert abs(out["key_share"] - 4 / 11) <= 1e-12
+    assert abs(out["key_corr"] - 2 / math.sqrt(7)) <= 1e-12
+    assert abs(out["boundary_corr"] - math.sqrt(3) / 2) <= 1e-12
+    assert out["n_decisions"] == 3 and out["n_turns"] == 3
+
+
+def test_decision_gate_two_decisions_in_a_turn_share_its_end_once():
+    """One turn [k1 k2 f], R = the fraction right. Row 0: verdicts (1, 0), V = [.5, .75, .5], δ =
+    [.25, −.25, 0]; row 1: (1, 1), V = [.5, .75, .9], δ = [.25, .15, .1]. key_share = .21 / (.21 +
+    .01) (the end of row 1 counted once, not twice: 21/23); key δ [.25, −.25, .25, .15] centred
+    [.15, −.35, .15, .05], verdicts [.25, −.75, .25, .25]: .35 / √(.17 · .75); the ends' δ
+    [0, 0, .1, .1] paired with each verdict: .05 / √(.01 · .75) = 1/√3."""
+    values = torch.tensor([[0.5, 0.75, 0.5], [0.5, 0.75, 0.9]], dtype=F64)
+    rewards = torch.tensor([[0, 0, 0.5], [0, 0, 1.0]], dtype=F64)
+    turn_ids = torch.zeros(2, 3, dtype=torch.long)
+    decisive = torch.tensor([[True, True, False]] * 2)
+    verdicts = torch.tensor([[1.0, 0, 0], [1, 1, 0]], dtype=F64)
+    out = diagnostics.decision_gate(values, rewards, turn_ids, decisive, verdicts)
+    assert abs(out["key_share"] - 21 / 22) <= 1e-12
+    assert abs(out["key_corr"] - 0.35 / math.sqrt(0.17 * 0.75)) <= 1e-12
+    assert abs(out["boundary_corr"] - 1 / math.sqrt(3)) <= 1e-12
+    assert out["n_decisions"] == 4 and out["n_turns"] == 2
+
+
+def test_decision_gate_float32_and_junk_off_the_turns():
+    """float32 values give the float64 figures up to its rounding; values and verdicts off the
+    action / decisive positions change nothing."""
+    batch = gate_batch(oracle_key)
+    out64 = diagnostics.decision_gate(*batch)
+    values, rewards, turn_ids, decisive, verdicts = batch
+    junk_v = torch.where(turn_ids >= 0, values, -5e4).float()
+    junk_y = torch.where(decisive, verdicts, math.nan).float()
+    out32 = diagnostics.decision_gate(junk_v, rewards.float(), turn_ids, decisive, junk_y)
+    assert abs(out32["key_corr"] - out64["key_corr"]) <= 1e-6
+    assert out32["key_share"] == 1.0 and math.isnan(out32["boundary_corr"])
+    # a boundary critic in float32: its δ at the keys is exactly 0, still NaN, not ±1 from noise
+    out = diagnostics.decision_gate(*(x.float() if x.is_floating_point() else x
+                                      for x in gate_batch(oracle_boundary)))
+    assert math.isnan(out["key_corr"]) and abs(out["boundary_corr"] - 1.0) <= 1e-6
+
+
+def test_decision_gate_correlations_are_nan_when_undefined():
+    rows = [(1, 0)]                                       # 2 decisions, verdicts differ: defined
+    assert abs(diagnostics.decision_gate(*gate_batch(oracle_key, rows))["key_corr"] - 1) <= 1e-12
+    values, rewards, turn_ids, decisive, verdicts = gate_batch(oracle_key, rows)
+    one = decisive.clone()
+    one[0, 4] = False                                     # 1 decision: NaN, counted
+    out = diagnostics.decision_gate(values, rewards, turn_ids, one, verdicts)
+    assert math.isnan(out["key_corr"]) and math.isnan(out["boundary_corr"])
+    assert out["n_decisions"] == 1 and out["n_turns"] == 1 and out["key_share"] == 1.0
+    same = diagnostics.decision_gate(*gate_batch(oracle_key, [(1, 1), (1, 1)]))   # all right
+    assert math.isnan(same["key_corr"]) and same["n_decisions"] == 4
+    none = diagnostics.decision_gate(values, rewards, turn_ids, torch.zeros_like(decisive),
+                                     verdicts)
+    assert none["n_decisions"] == 0 and none["n_turns"] == 0
+    assert all(math.isnan(none[k]) for k in ("key_share", "key_corr", "boundary_corr"))
+
+
+def test_decision_gate_refuses_bad_input():
+    values, rewards, turn_ids, decisive, verdicts = gate_batch(oracle_key)
+    gate = diagnostics.decision_gate
+
+    def raises(err, match, **change):
+        args = dict(values=values, rewards=rewards, turn_ids=turn_ids, decisive=decisive,
+                    verdicts=verdicts) | change
+        with pytest.raises(err, match=match):
+            gate(**args)
+
+    raises(TypeError, "decisive must be a bool", decisive=decisive.long())
+    raises(TypeError, "verdicts must be a floating", verdicts=verdicts.long())
+    raises(TypeError, "decisive must be a torch.Tensor", decisive=decisive.tolist())
+    raises(ValueError, "decisive has shape", decisive=decisive[:, :5])
+    raises(ValueError, "verdicts has shape", verdicts=verdicts[:2])
+    raises(ValueError, "values has shape", values=values[:, :5])
+    raises(TypeError, "values must be a floating", values=values.long())
+    off = decisive.clone()
+    off[0, 3] = True                                      # the observation token
+    raises(ValueError, "off action tokens", decisive=off)
+    last = decisive.clone()
+    last[1, 2] = True                                     # turn 0's last token
+    raises(ValueError, "turn's last token", decisive=last)
+    half = verdicts.clone()
+    half[2, 4] = 0.5
+    raises(ValueError, "verdicts must be 0 .wrong. or 1", verdicts=half)
+    nan = verdicts.clone()
+    nan[2, 0] = math.nan
+    raises(ValueError, "verdicts holds NaN", verdicts=nan)
+    bad_tids = turn_ids.clone()
+    bad_tids[0, 5] = -1                                   # a split turn
+    raises(ValueError, "turn_ids", turn_ids=bad_tids)
