@@ -325,6 +325,13 @@ def test_decision_gate_float32_and_junk_off_the_turns():
     out = diagnostics.decision_gate(*(x.float() if x.is_floating_point() else x
                                       for x in gate_batch(oracle_boundary)))
     assert math.isnan(out["key_corr"]) and abs(out["boundary_corr"] - 1.0) <= 1e-6
+    # one key's δ off 0 by one rounding step (1.1e-16): constant up to rounding, NaN, not a number
+    values, rewards, turn_ids, decisive, verdicts = gate_batch(oracle_boundary)
+    values[0, 1] = torch.nextafter(values[0, 1], torch.tensor(1.0, dtype=F64))
+    delta = mpo.token_td_residuals(rewards, values, turn_ids)
+    assert 0 < float(delta[0, 0]) < 2e-16
+    out = diagnostics.decision_gate(values, rewards, turn_ids, decisive, verdicts)
+    assert math.isnan(out["key_corr"]) and abs(out["boundary_corr"] - 1.0) <= 1e-12
 
 
 def test_decision_gate_correlations_are_nan_when_undefined():
