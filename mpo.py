@@ -15,15 +15,14 @@ writes token by token. MPO assigns credit at both scales:
                             λ-return G_{t,i} = V + A^intra + lam_intra^(L_t - i) lam A^turn_{t+1}
 
 then (B1) PPO token GAE, (B2) GRPO, (B3) GSPO's sequence ratio, Appendix C's premise check on your
-critic (`turn_value_structure`), the plumbing and the input checks (VAPO, SAO: baselines.py;
-diagnostics: diagnostics.py). Eq. (20) is the paper's; (M1)-(B3) and § are docs/paper.md's.
-lam = λ, lam_intra = λ_intra, beta = β, delta = δ, rho = ρ, eps = ε, sg = stop-gradient; γ = 1.
-Tensors are (B, T), B rows, T positions, K the most turns of any row; turn_ids[b, p] = k >= 0 on
-row b's k-th assistant turn (contiguous, numbered 0, 1, ...), -1 elsewhere; values[b, p] is V of
-the prefix *before* token p, rewards[b, p] the reward right after it. float64 stays float64,
-others compute in float32. Public functions check their input (`validate=False` skips it;
-docs/equations.md#conventions). Usage (README): turn_ids_from_mask -> outcome_rewards ->
-mpo_advantages -> policy_loss (+ value_loss)."""
+critic (`turn_value_structure`), plumbing and input checks (VAPO, SAO: baselines.py; diagnostics:
+diagnostics.py). Eq. (20) is the paper's; (M1)-(B3) and § are docs/paper.md's. lam = λ, beta = β,
+lam_intra = λ_intra, delta = δ, rho = ρ, eps = ε, sg = stop-gradient; γ = 1. Tensors are (B, T), B
+rows, T positions, K the most turns of any row; turn_ids[b, p] = k >= 0 on row b's k-th assistant
+turn (contiguous, numbered 0, 1, ...), -1 elsewhere; values[b, p] is V of the prefix *before* token
+p, rewards[b, p] the reward right after it. float64 stays float64, the rest computes in float32.
+Public functions check their input (`validate=False` skips it; docs/equations.md#conventions). Usage
+(README): turn_ids_from_mask -> outcome_rewards -> mpo_advantages -> policy_loss (+ value_loss)."""
 from __future__ import annotations
 
 import math
@@ -247,7 +246,7 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     `turn_ratio` (MPO); "token" exp(logp − old_logp) (PPO, "MPO w/ token IS"); "sequence" (B3)
     GSPO-token, s_b = exp(the row's mean log-ratio); all own-token gradients (docs/equations.md,
     3-4). clip_eps ε: 0.2 (`GSPO_CLIP` for "sequence"); clip_eps_high: DAPO's ε_high (default ε);
-    dual_clip c > 1 caps a term with A < 0 at c·|A|. Returns loss (0-dim), stats (below):
+    dual_clip c > 1 caps a term with A < 0 at c·|A|. Returns loss (0-dim), stats (`_policy_stats`):
     clip_frac, turn_clip_frac, approx_kl, ratio_mean, ratio_max, turn_log_ratio_mean and _std."""
     if ratio_level not in RATIO_LEVELS:
         raise ValueError(f"ratio_level must be one of {RATIO_LEVELS}, got {ratio_level!r}")
@@ -279,25 +278,31 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
         term = torch.minimum(term, _as_float(dual_clip) * A.abs())
     n = torch.count_nonzero(act).clamp(min=1) if num_tokens is None else num_tokens   # N
     loss = _masked(term, act, dtype).sum() / torch.as_tensor(n, device=logp.device)
-    # Stats (0-dim, detached). Over the call's action tokens: clip_frac (the share whose term took
-    # the clipped branch), approx_kl (mean of ρ_{t,i} − 1 − log ρ_{t,i}), ratio_mean, ratio_max (of
-    # the ratio used); over its turns, each once: turn_clip_frac (the share with ρ_t outside
-    # [1 − ε, 1 + ε_high]), turn_log_ratio_mean and _std (mean, sample SD of log ρ_t; 0 without a
-    # turn, the SD 0 below two). Pool micro-batches by these token and turn counts.
-    first, used = _turn_starts(turn_ids), _masked(ratio.detach(), act, dtype)    # (B, T)
+    return loss, _policy_stats(turn_ids, term != unclipped, ratio, rho_turn, rho_token,
+                               log_ratio, (eps_low, eps_high))
+
+
+@torch.no_grad()
+def _policy_stats(turn_ids, clipped, ratio, rho_turn, rho_token, log_ratio, eps) -> dict:
+    """policy_loss's stats (0-dim). Over the call's action tokens: clip_frac (the share whose term
+    took the clipped branch), approx_kl (mean of ρ_{t,i} − 1 − log ρ_{t,i}), ratio_mean, ratio_max
+    (of the ratio used); over its turns, each once: turn_clip_frac (the share with ρ_t outside
+    [1 − ε, 1 + ε_high]), turn_log_ratio_mean and _std (mean, sample SD of log ρ_t; 0 without a
+    turn, the SD 0 below two). Pool micro-batches by these token and turn counts."""
+    act, first, dtype = turn_ids >= 0, _turn_starts(turn_ids), log_ratio.dtype
     n_act, n_first = torch.count_nonzero(act).clamp(min=1), torch.count_nonzero(first).to(dtype)
-    outside = (rho_turn < 1 - eps_low) | (rho_turn > 1 + eps_high)            # (B, T) bool
-    log_rho = torch.where(first, rho_turn.detach().log(), 0)                  # log ρ_t, once each
+    outside = (rho_turn < 1 - eps[0]) | (rho_turn > 1 + eps[1])               # (B, T) bool
+    ratio = _masked(ratio, act, dtype)                                        # (B, T)
+    log_rho = torch.where(first, rho_turn.log(), 0)                           # log ρ_t, once each
     mean = log_rho.sum() / n_first.clamp(min=1)
     var = torch.where(first, log_rho - mean, 0).square().sum() / (n_first - 1).clamp(min=1)
-    return loss, {
-        "clip_frac": torch.count_nonzero(act & (term != unclipped)).to(dtype) / n_act,
-        "turn_clip_frac": torch.count_nonzero(first & outside).to(dtype) / n_first.clamp(min=1),
-        "approx_kl": _masked(rho_token - 1 - log_ratio.detach(), act, dtype).sum() / n_act,
-        "ratio_mean": used.sum() / n_act,
-        "ratio_max": used.amax() if used.numel() else used.new_zeros(()),
-        "turn_log_ratio_mean": mean,
-        "turn_log_ratio_std": torch.where(n_first > 1, var.sqrt(), 0)}   # 0 below 2 turns
+    return {"clip_frac": torch.count_nonzero(act & clipped).to(dtype) / n_act,
+            "turn_clip_frac": torch.count_nonzero(first & outside).to(dtype) / n_first.clamp(min=1),
+            "approx_kl": _masked(rho_token - 1 - log_ratio, act, dtype).sum() / n_act,
+            "ratio_mean": ratio.sum() / n_act,
+            "ratio_max": ratio.amax() if ratio.numel() else ratio.new_zeros(()),
+            "turn_log_ratio_mean": mean,
+            "turn_log_ratio_std": torch.where(n_first > 1, var.sqrt(), 0)}   # 0 below 2 turns
 
 
 # --- (M8) The critic loss, and a turn-boundary critic (§12): values at turn starts only -------
@@ -323,10 +328,9 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
 
 def turn_start_positions(turn_ids: torch.Tensor, num_turns: int | None = None, *,
                          validate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """Where a turn-boundary critic is read and trained: each turn's first token, whose V_{t,1}
-    (the prefix ends with the observation) is all turn GAE needs: (M2) telescopes to
-    Σ_i r_{t,i} + V_{t+1,1} − V_{t,1}. num_turns as in `turn_residual_sums`. Returns positions
-    (B, K) int64 (0 where row b has no turn k) and turn_mask (B, K) bool."""
+    """Each turn's first token, where a turn-boundary critic is read and trained: its V_{t,1} (the
+    prefix ends with the observation) is all turn GAE needs ((M2) telescopes; num_turns: see
+    `turn_residual_sums`). Returns positions (B, K) int64 (0: b has no turn k), turn_mask bool."""
     if validate:
         _validate_tokens(turn_ids, num_turns)
     K = _num_turns(turn_ids) if num_turns is None else num_turns
@@ -360,9 +364,8 @@ def token_gae(rewards: torch.Tensor, values: torch.Tensor, action_mask: torch.Te
               lam: float = 0.95, gamma: float = 1.0, whiten: bool = True,
               *, validate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """(B1): PPO token GAE, A_i = δ_i + γλ A_next, δ_i = r_i + γ V_next − V_i, "next" the next
-    action token (observations skipped, as verl's multi-turn GAE): every generated token costs
-    one γλ, so credit crossing a turn of L tokens decays by λ^L (§2). action_mask: (B, T) 0/1.
-    Returns advantages (whitened if `whiten`) and returns = values + A, (B, T), 0 off the mask."""
+    action token (verl's multi-turn GAE skips observations), so an L-token turn costs λ^L (§2).
+    Returns A (whitened if `whiten`), returns = values + A: (B, T), 0 off action_mask (B, T) 0/1."""
     _refuse_grad(_TARGETS.format("token_gae"), rewards=rewards, values=values)
     if validate:
         lam, gamma = _check_coefficients(lam=lam, gamma=gamma)
@@ -528,8 +531,7 @@ def _check_turn_ids(turn_ids) -> int:
     ids = turn_ids.long()
     if bool((ids < -1).any()):
         raise ValueError("turn_ids holds values below -1; use -1 for non-action positions")
-    # Valid iff each run of equal ids is numbered by its rank: a split turn, a gap, a wrong order
-    # all give a run whose id is not its rank.
+    # Valid iff each run of equal ids has its rank as id (a split turn, a gap, a wrong order do not)
     starts = _turn_starts(ids)                                                # (B, T)
     bad = (ids >= 0) & (ids != torch.cumsum(starts, dim=1) - 1)               # id != run number
     if bool(bad.any()):
@@ -544,9 +546,8 @@ def _check_turn_ids(turn_ids) -> int:
 
 def _validate_tokens(turn_ids, num_turns: int | None = None, *, layout: str = "turn_ids",
                      **tensors) -> int:
-    """The turn layout, num_turns >= its K, and each named tensor: turn_ids' shape and device,
-    float, finite on action positions (`rewards` 0 off them); layout names turn_ids. Returns K
-    (num_turns if given)."""
+    """The turn layout, num_turns >= K, each named tensor (turn_ids' shape and device, float, finite
+    on action positions, `rewards` 0 off them); layout names turn_ids. Returns num_turns or K."""
     K, act = _check_turn_ids(turn_ids), turn_ids >= 0
     for name, x in tensors.items():
         _check_tensor(name, x, turn_ids, ref_name=layout)
