@@ -76,12 +76,13 @@ class Turns:
                                     whiten=whiten)
         return adv                                                            # (N, T)
 
-    def update(self, adv: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """(n, A) E[Σ_p ρ̃_p A_p]'s gradient at θ = old, the stop-gradient turn ratio's."""
-        logp = torch.zeros(self.N, self.tid.shape[1], dtype=torch.float64)
+    def update(self, adv: torch.Tensor, weight: torch.Tensor, rows=slice(None)) -> torch.Tensor:
+        """(n, A) Σ_rows weight · Σ_p ρ̃_p A_p's gradient at θ = old (the stop-gradient turn
+        ratio's); adv (len(rows), T) on the rows (default: every sequence once)."""
+        logp = torch.zeros(adv.shape, dtype=torch.float64)
         old = torch.zeros_like(logp)
-        logp[:, self.act], old[:, self.act] = self.logp, self.old
-        rho = mpo.turn_ratio(logp, old, self.tid)
+        logp[:, self.act], old[:, self.act] = self.logp[rows], self.old[rows]
+        rho = mpo.turn_ratio(logp, old, self.tid[0].expand(adv.shape[0], -1))
         (g,) = torch.autograd.grad((weight * (rho * adv).sum(1)).sum(), self.theta,
                                    retain_graph=True)
         return g
@@ -167,3 +168,59 @@ def test_the_quoted_factors_and_where_the_two_critics_agree():
     # the boundary factor averages 1 over a turn; the perfect one more (1.40 at L = 4)
     assert abs(closed_form(4, 1.0, 0.95, "boundary").mean() - 1) < 1e-12
     assert abs(closed_form(4, 1.0, 0.95, "perfect").mean() - 1.4055) < 1e-4
+
+
+def test_whitening_over_the_enumerated_distribution_is_a_common_rescale():
+    """(M5) over a batch that is π_old exactly (each sequence repeated in proportion to its
+    probability, p = 3/4, 1/4): the batch mean drops out (E[∂ log π] = 0) and every token's
+    update is divided by the same s, the std of A^MAE over the batch's tokens. So the factors
+    keep their profile; β = 1 against β = 0, both whitened, is factor × s(0)/s(1)."""
+    K, L, keys = 2, 4, [[0], [5]]
+    n_act = [2 if p in (0, 5, 2, 7) else 1 for p in range(K * L)]           # keys and two free
+    turns = Turns(K, L, n_act, 0, probs=[[0.75, 0.25]] * (K * L))
+    R = reward("one", turns.ys, keys, 0)
+    rows = torch.repeat_interleave(torch.arange(turns.N), (turns.w * 4 ** 4).round().long())
+    assert len(rows) == 4 ** 4 and torch.allclose(turns.w, torch.bincount(rows).double() / 256)
+    g_true, s = turns.true_gradient(R), {}
+    for critic in ("perfect", "boundary"):
+        for beta in BETAS:
+            V = turns.values(R, critic)[rows]
+            args = mpo.outcome_rewards(R[rows], turns.tid[rows]), V, turns.tid[rows]
+            raw, _ = mpo.mpo_advantages(*args, lam=LAM, lam_intra=0.95, beta=beta, whiten=False)
+            white, _ = mpo.mpo_advantages(*args, lam=LAM, lam_intra=0.95, beta=beta)
+            a = raw[:, turns.act]
+            s[critic, beta] = float((a.var() + 1e-8).sqrt())                  # unbiased, as (M5)
+            g = turns.update(white, torch.full((len(rows),), 1 / len(rows)), rows)
+            f = closed_form(L, beta, 0.95, critic).repeat(K)
+            assert (g - f[:, None] * g_true / s[critic, beta]).abs().max() < 1e-9
+    got = {k: round(v, 4) for k, v in s.items()}
+    assert got == {("perfect", 0.0): 0.2488, ("perfect", 0.5): 0.2538, ("perfect", 1.0): 0.2681,
+                   ("boundary", 0.0): 0.2488, ("boundary", 0.5): 0.2489,
+                   ("boundary", 1.0): 0.2491}, got
+    rel = closed_form(L, 1.0, 0.95, "perfect") * s["perfect", 0.0] / s["perfect", 1.0]
+    assert [round(float(x), 3) for x in rel] == [1.624, 1.404, 1.194, 0.995], rel
+
+
+def test_signal_to_noise_of_the_key_token():
+    """Per-token SNR, mean / std over episodes of A_key · ∂ log π(y_key)/∂θ (θ the right action's
+    logit), K = 3 turns of L = 4, one binary key per turn on its first token, p = 1/2, perfect
+    critic. A_key = c·δ_key + λ A^turn_{t+1}, c = 1 + β(1 − w_1): β scales the key's own term,
+    not the later turns' noise, so SNR(β)/SNR(0) <= c (1.75 here); the last turn has no noise."""
+    K, L, keys = 3, 4, [[0], [4], [8]]
+    turns = Turns(K, L, [2 if p % L == 0 else 1 for p in range(K * L)], 0,
+                  probs=[[0.5, 0.5]] * (K * L))
+    R = reward("one", turns.ys, keys, 0)
+    score = (turns.ys[:, [0, 4, 8]] == 0).double() - 0.5                     # (N, K)
+    snr = {}
+    for beta in (0.0, 1.0):
+        for whiten in (False, True):
+            adv = turns.advantages(R, "perfect", beta, 0.95, whiten)[:, turns.act][:, [0, 4, 8]]
+            X = adv * score                                                   # (N, K) per episode
+            m = (turns.w[:, None] * X).sum(0)
+            sd = (turns.w[:, None] * (X - m) ** 2).sum(0).sqrt()
+            snr[beta, whiten] = [round(float(x), 3) for x in (m / sd.clamp(min=1e-12))[:2]]
+            assert sd[2] < 1e-9 or whiten                                     # last turn: no noise
+    assert snr == {(0.0, False): [0.976, 1.25], (1.0, False): [1.708, 2.188],
+                   (0.0, True): [0.976, 1.25], (1.0, True): [1.708, 2.188]}, snr
+    c = float(closed_form(L, 1.0, 0.95, "perfect")[0])
+    assert all(b / a <= c + 1e-3 for a, b in zip(snr[0.0, False], snr[1.0, False]))
