@@ -2,8 +2,8 @@
 
 At θ = old, before whitening, with K turns of L tokens: token (t, i)'s expected update under
 Eq. (20), E_old[∂ log π(y_{t,i}) · A^MAE_{t,i}], is its true gradient ∂J/∂θ_{t,i} times
-  perfect critic  (V = E_old[R | prefix]):           1 + β(1 − w_i), w_i = (1/L) Σ_{j≤i} λ_intra^{i−j}
-  boundary critic (V = E_old[R | the turns before]):  1 + β(λ_intra^{L−i} − mean_j λ_intra^{L−j}).
+  perfect critic  (V = E_old[R | prefix]):         1 + β(1 − w_i), w_i = (1/L) Σ_{j≤i} λ_intra^{i−j}
+  boundary critic (V = E_old[R | turns before]):    1 + β(λ_intra^{L−i} − mean_j λ_intra^{L−j}).
 Every action sequence is enumerated with its probability (a categorical policy with its own logits
 per position), advantages come from `mpo.mpo_advantages`, the update from `mpo.turn_ratio` and
 autograd, the true gradient from ∇ Σ_y π_θ(y) R(y)."""
@@ -61,7 +61,7 @@ class Turns:
         return (num / torch.zeros(k, dtype=x.dtype).index_add(0, group, self.w))[group]
 
     def values(self, R: torch.Tensor, critic: str) -> torch.Tensor:
-        """(N, T) V before each action token: E[R | prefix] or E[R | the turns before]; 0 off turns."""
+        """(N, T) V before each action token: E[R | prefix] or E[R | the turns before]; 0 off."""
         p = torch.arange(self.n)
         if critic == "boundary":
             p = p // self.L * self.L                                          # the turn's start
