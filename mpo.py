@@ -34,9 +34,8 @@ import torch.nn.functional as F
 
 RATIO_LEVELS = ("turn", "token", "sequence")
 CRITIC_TARGETS = ("mae", "lambda_return")
-# GSPO's clip range of the sequence ratio (Zheng et al., 2025, the GSPO paper's experiments:
-# 3e-4 below, 4e-4 above); ε = 0.2 on a length-normalised ratio would be about 500x wider.
-GSPO_CLIP = (3e-4, 4e-4)
+# GSPO's clip range of the sequence ratio (Zheng et al., 2025, the GSPO paper's experiments)
+GSPO_CLIP = (3e-4, 4e-4)   # below, above; ε = 0.2 on a length-normalised ratio: about 500x wider
 _TARGETS = "{} computes targets (advantages, returns), not a differentiable expression"
 _CLAMP = "a finite number > 0 (the clamp of a log-ratio before exp)"
 
@@ -188,11 +187,10 @@ def mpo_advantages(rewards: torch.Tensor, values: torch.Tensor, turn_ids: torch.
                    whiten: bool = True, *, num_turns: int | None = None,
                    critic_target: str = "mae",
                    validate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """Algorithm 1: MPO advantages, (M1) → (M2) → (M3), (M4) → Eq. (20) → (M5) (§5).
+    """Algorithm 1: MPO advantages, (M1) → (M2) → (M3), (M4) → Eq. (20) → (M5) if `whiten` (§5).
     Defaults: the paper's (λ, λ_intra, β) = (0.80, 0.95, 1.00) (§7); β = 0: "turn GAE only".
-    num_turns: a bound on any row's turns (saves a host sync); critic_target: what `returns`
-    holds, "mae" (values + A^MAE before whitening) or "lambda_return" (`multiscale_lambda_returns`,
-    train_min's). Returns A^MAE (whitened if `whiten`), returns: (B, T), 0 off turns."""
+    num_turns >= K saves a host sync. critic_target: `returns` = "mae" V + A^MAE (unwhitened) or
+    "lambda_return" (train_min's `multiscale_lambda_returns`). Both (B, T), 0 off turns."""
     if critic_target not in CRITIC_TARGETS:
         raise ValueError(f"critic_target must be one of {CRITIC_TARGETS}, got {critic_target!r}")
     _refuse_grad(_TARGETS.format("mpo_advantages"), rewards=rewards, values=values)
@@ -246,8 +244,7 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     `turn_ratio` (MPO); "token" exp(logp − old_logp) (PPO, "MPO w/ token IS"); "sequence" (B3)
     GSPO-token, s_b = exp(the row's mean log-ratio); all own-token gradients (docs/equations.md,
     3-4). clip_eps ε: 0.2 (`GSPO_CLIP` for "sequence"); clip_eps_high: DAPO's ε_high (default ε);
-    dual_clip c > 1 caps a term with A < 0 at c·|A|. Returns loss (0-dim), stats (`_policy_stats`):
-    clip_frac, turn_clip_frac, approx_kl, ratio_mean, ratio_max, turn_log_ratio_mean and _std."""
+    dual_clip c > 1 caps a term with A < 0 at c·|A|. Returns loss (0-dim), `_policy_stats`' dict."""
     if ratio_level not in RATIO_LEVELS:
         raise ValueError(f"ratio_level must be one of {RATIO_LEVELS}, got {ratio_level!r}")
     if clip_eps is None and ratio_level == "sequence":                       # GSPO's own range
@@ -333,8 +330,7 @@ def turn_start_positions(turn_ids: torch.Tensor, num_turns: int | None = None, *
     `turn_residual_sums`). Returns positions (B, K) int64 (0: b has no turn k), turn_mask bool."""
     if validate:
         _validate_tokens(turn_ids, num_turns)
-    K = _num_turns(turn_ids) if num_turns is None else num_turns
-    B, T = turn_ids.shape
+    K, (B, T) = _num_turns(turn_ids) if num_turns is None else num_turns, turn_ids.shape
     starts = _turn_starts(turn_ids)                                           # (B, T)
     pos = torch.where(starts, torch.arange(T, device=turn_ids.device).expand(B, T), 0)
     return _per_turn_sum(pos, turn_ids, K), _per_turn_sum(starts.long(), turn_ids, K) > 0
@@ -456,8 +452,7 @@ def reverse_scan(b: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
     """Solve x_i = b_i + a_i * x_{i+1} (x past the end = 0) along the last dimension: every GAE
     here (b the residual, a the decay from i to i + 1), by recursive doubling in ceil(log2 n)
     steps (docs/equations.md, choice 10). Example: b = [1, 1, 1], a = .5 -> [1.75, 1.5, 1]."""
-    x, a = b.clone(), a.expand_as(b).clone()
-    n, d = b.shape[-1], 1
+    x, a, n, d = b.clone(), a.expand_as(b).clone(), b.shape[-1], 1
     while d < n:
         x[..., :-d] = x[..., :-d] + a[..., :-d] * x[..., d:]   # the right side reads the old x
         a[..., :-d] = a[..., :-d] * a[..., d:]
