@@ -38,6 +38,8 @@ class Preset:
     #                                        cfg.model; fit: train_min.supervised_warm_start
     make_suite: Callable | None = None     # (cfg) -> Suite: the task (None: search_suite)
     options: type | None = None            # dataclass of the preset's own flags: cfg.preset_options
+    oracle_critics: bool = False           # its task knows its decisions: --critic oracle_*
+    check: Callable | None = None          # (cfg) -> None: its checks of the whole config (ValueError)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -346,13 +348,17 @@ class TestbedOptions:
     testbed_verdict_delay: int = flag(0, "testbed, with --testbed_decisive first and no feedback: "
                                       "the observation before turn d says ok / no for turn 0's "
                                       "key (d = 1: the next boundary; 0: never)")
+    testbed_two_keys: bool = flag(False, "testbed: two clues per turn, answered in order by the "
+                                  "turn's first two key words (R: the fraction of 2K right; "
+                                  "the reply gives both verdicts)")
 
     def __post_init__(self):
         import testbed_env
         testbed_env.check_options(self.testbed_streaming, self.testbed_decisive,
                                   self.testbed_key_anywhere, self.testbed_full_turns,
                                   self.testbed_verdict_delay, self.testbed_turns,
-                                  self.testbed_feedback, self.testbed_key_last)
+                                  self.testbed_feedback, self.testbed_key_last,
+                                  self.testbed_two_keys)
 
 
 # temperature: the random base's logits span only about ±1.3 nats (init std 0.02, frozen final norm
@@ -380,19 +386,31 @@ def testbed_suite(cfg):
         o.testbed_turns, o.testbed_turn_len, o.testbed_streaming)
     cfg.max_total_tokens = max(cfg.max_total_tokens, testbed_env.max_episode_tokens(
         o.testbed_turns, o.testbed_turn_len, o.testbed_streaming))
-    train, val = testbed_env.make_tasks(cfg.n_train, cfg.n_val, o.testbed_turns, o.testbed_keys,
-                                        seed=cfg.seed)
+    per_turn = 2 if o.testbed_two_keys else 1             # clues (decisions) per turn
+    train, val = testbed_env.make_tasks(cfg.n_train, cfg.n_val, per_turn * o.testbed_turns,
+                                        o.testbed_keys, seed=cfg.seed)
 
     def make_env(task):
         return testbed_env.KeyTurnEnv(task, o.testbed_turn_len, o.testbed_streaming,
                                       o.testbed_feedback, o.testbed_decisive,
                                       o.testbed_key_anywhere, o.testbed_verdict_delay,
-                                      o.testbed_key_last)
+                                      o.testbed_key_last, o.testbed_two_keys)
 
+    decisions = None if o.testbed_streaming else testbed_env.DecisionReader(
+        o.testbed_keys, o.testbed_full_turns, o.testbed_decisive, o.testbed_key_anywhere,
+        o.testbed_key_last, o.testbed_two_keys, o.testbed_turns)       # --critic oracle_*
     return Suite(train, val, make_env, corpus=testbed_env.corpus(o.testbed_keys,
                                                                  o.testbed_full_turns),
                  tokenizer=lambda: testbed_env.build_tokenizer(o.testbed_keys,
-                                                               o.testbed_full_turns))
+                                                               o.testbed_full_turns),
+                 decisions=decisions)
+
+
+def testbed_check(cfg) -> None:
+    """--critic oracle_* reads turns of several tokens: not with --testbed_streaming."""
+    if cfg.critic_oracle and cfg.preset_options.get("testbed_streaming"):
+        raise ValueError(f"--critic {cfg.critic} reads a turn's deciding key word: "
+                         "--testbed_streaming has one-token turns; use --critic token")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -519,7 +537,8 @@ PRESETS = {
     "smol": Preset(SMOL, prepare_smol_model, smol_suite, SmolOptions),   # a real LLM, docs/smol.md
     "smol_hops": Preset(SMOL_HOPS, prepare_smol_hops_model, smol_hops_suite, SmolOptions),
     "tiny": Preset(TINY, prepare_tiny_model, small_search_suite),
-    "testbed": Preset(TESTBED, prepare_tiny_model, testbed_suite, TestbedOptions),
+    "testbed": Preset(TESTBED, prepare_tiny_model, testbed_suite, TestbedOptions,
+                      oracle_critics=True, check=testbed_check),
     # the default run with random weights of the published shapes: gpu_check.py, on a GPU
     "shape_qwen25_15b": Preset(SHAPE_QWEN25_15B, prepare_shape_model, shape_suite),
     "shape_qwen3_4b": Preset(SHAPE_QWEN3_4B, prepare_shape_model, shape_suite),

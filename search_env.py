@@ -777,6 +777,8 @@ class Suite:
     corpus: list[str] = field(default_factory=list)   # text for a built model's tokenizer
     warm_start: Callable | None = None   # () -> chat episodes for a built model's warm start
     tokenizer: Callable | None = None    # () -> a built model's tokenizer (default: BPE on corpus)
+    decisions: Callable | None = None    # (ids, turn_ids) of a row -> its scored decisions: a task
+    #                                      that knows them (the testbed) serves --critic oracle_*
 
 
 def search_suite(cfg, kb_sizes: dict | None = None, system_prompt: str = SYSTEM_PROMPT,

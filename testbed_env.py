@@ -39,6 +39,9 @@ The regime of the paper's argument (§2: credit crossing long turns; docs/testbe
   query worked. The reward is unchanged.
 - `--testbed_key_last`: a turn's answer is its *last* key word (the mirror of key anywhere: the
   decisive token sits late in its turn; docs/records/testbed/v4-beta-probe.md).
+- `--testbed_two_keys` (issue 62): two decisions per turn. Each turn shows two clues; the turn's
+  first two key words answer them in order (a missing key is wrong), R = the fraction of the 2K
+  answers right, and the reply after the turn gives both verdicts.
 - `--testbed_full_turns`: every turn runs to its L tokens. train_min's `generate` stops a turn at
   the tokenizer's eos / pad / `<|im_end|>`; this tokenizer closes turns with `<|end|>` and pads with
   `<unk>`, so no sampleable id stops a turn (a sampled `<|end|>` is an ordinary word, decoded
@@ -105,8 +108,13 @@ def is_key(word: str) -> bool:
 
 def check_options(streaming: bool = False, decisive: str = "every", key_anywhere: bool = False,
                   full_turns: bool = False, verdict_delay: int = 0, turns: int | None = None,
-                  feedback: bool = False, key_last: bool = False) -> None:
+                  feedback: bool = False, key_last: bool = False, two_keys: bool = False) -> None:
     """Refuse the testbed flag combinations that mean nothing (a ValueError naming the flags)."""
+    if two_keys and (streaming or key_last or key_anywhere or decisive != "every"):
+        raise ValueError("--testbed_two_keys (a turn's first two key words answer its two clues) "
+                         "needs --testbed_decisive every and excludes --testbed_streaming, "
+                         "--testbed_key_last and --testbed_key_anywhere (it already reads key "
+                         "words wherever they stand)")
     if key_last and (key_anywhere or streaming):
         raise ValueError("--testbed_key_last (a turn's answer is its last key word) excludes "
                          "--testbed_key_anywhere (its first) and --testbed_streaming (one-token "
@@ -204,13 +212,17 @@ class KeyTurnEnv:
 
     def __init__(self, task: Task, turn_len: int, streaming: bool = False, feedback: bool = True,
                  decisive: str = "every", key_anywhere: bool = False, verdict_delay: int = 0,
-                 key_last: bool = False):
+                 key_last: bool = False, two_keys: bool = False):
         if turn_len < 1:
             raise ValueError(f"turn_len must be >= 1, got {turn_len}")
         check_options(streaming, decisive, key_anywhere, verdict_delay=verdict_delay,
-                      turns=len(task.clues), feedback=feedback, key_last=key_last)
+                      turns=len(task.clues), feedback=feedback, key_last=key_last,
+                      two_keys=two_keys)
+        if two_keys and len(task.clues) % 2:
+            raise ValueError(f"--testbed_two_keys needs two clues per turn, got {len(task.clues)}")
         self.task, self.turn_len, self.streaming, self.feedback = task, turn_len, streaming, feedback
         self.decisive, self.key_anywhere, self.key_last = decisive, key_anywhere, key_last
+        self.per_turn = 2 if two_keys else 1          # decisions (clues) per turn
         self.verdict_delay = verdict_delay      # d > 0: turn 0's verdict shown before turn d
         self.correct: list[int] = []
         self.steps, self.done = 0, True
@@ -218,20 +230,29 @@ class KeyTurnEnv:
     @property
     def n_steps(self) -> int:
         """Assistant turns in an episode."""
-        return len(self.task.clues) * (self.turn_len if self.streaming else 1)
+        return len(self.task.clues) // self.per_turn * (self.turn_len if self.streaming else 1)
 
     def reset(self, task: Task | None = None) -> list[dict]:
         self.task = task or self.task
         self.correct, self.steps, self.done = [], 0, False
-        return [{"role": "user", "content": clue_word(self.task.clues[0])}]
+        return [{"role": "user", "content": " ".join(map(clue_word,
+                                                         self.task.clues[:self.per_turn]))}]
 
     def answer(self, assistant_text: str) -> str:
         """The turn's answer: its first word, its first key word with key_anywhere, its last key
-        word with key_last ("": none)."""
+        word with key_last ("": none); with two keys per turn, see `answers`."""
         words = assistant_text.split()
         if self.key_anywhere or self.key_last:
             words = [w for w in words if is_key(w)]
         return (words or [""])[-1 if self.key_last else 0]
+
+    def answers(self, assistant_text: str) -> list[str]:
+        """The turn's answers, one per clue: with two keys its first two key words in order ("":
+        missing), else [answer]."""
+        if self.per_turn == 1:
+            return [self.answer(assistant_text)]
+        keys = [w for w in assistant_text.split() if is_key(w)]
+        return (keys + [""] * self.per_turn)[:self.per_turn]
 
     def step(self, assistant_text: str) -> StepResult:
         if self.done:
@@ -240,21 +261,93 @@ class KeyTurnEnv:
         key_slot = not self.streaming or self.steps % self.turn_len == 0
         scored = key_slot and (self.decisive == "every" or group == 0)
         if scored:
-            self.correct.append(int(self.answer(assistant_text) == key_word(self.task.keys[group])))
+            for j, word in enumerate(self.answers(assistant_text)):
+                right = word == key_word(self.task.keys[group * self.per_turn + j])
+                self.correct.append(int(right))
         self.steps += 1
         if self.steps == self.n_steps:
             self.done = True
             reward = sum(self.correct) / len(self.correct)
             return StepResult(None, True, reward, {"correct": list(self.correct), "turns": self.steps,
                                                    "all_correct": float(all(self.correct)), "malformed": False})
-        reply = [VERDICT[self.correct[-1]]] if scored and self.feedback else []
+        reply = ([VERDICT[c] for c in self.correct[-self.per_turn:]] if scored and self.feedback
+                 else [])
         if self.verdict_delay and self.steps == self.verdict_delay:   # before turn d: turn 0's
             reply = [VERDICT[self.correct[0]]]
         group_ends = not self.streaming or self.steps % self.turn_len == 0
-        if group_ends and self.decisive == "every":                       # the next key turn's clue
-            reply.append(clue_word(self.task.clues[self.steps // self.turn_len if self.streaming
-                                                   else self.steps]))
+        if group_ends and self.decisive == "every":                     # the next key turn's clues
+            k = self.steps // self.turn_len if self.streaming else self.steps
+            reply += map(clue_word, self.task.clues[k * self.per_turn:(k + 1) * self.per_turn])
         return StepResult(" ".join(reply) or TICK, False, 0.0, {"turns": self.steps})
+
+
+# ---------------------------------------------------------------------------------------------
+# The decisions a rollout row holds (issue 62): what an oracle critic reads
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Decision:
+    """One scored answer of a row: its turn, where it was decided, its clue and its verdict."""
+    turn: int                  # k: the assistant turn that answers it
+    at: int | None             # the row position of its deciding key word (None: the turn had none)
+    end: int                   # the row position of the turn's last token
+    clue: int                  # the clue it answers
+    right: int                 # 1: the answer was the clue's key
+
+
+def vocabulary(n_keys: int, full_turns: bool = False) -> list[str]:
+    """`build_tokenizer`'s words by id: the four specials, then words(n_keys)."""
+    return [*(FULL_TURN_SPECIALS if full_turns else SPECIALS), *words(n_keys)]
+
+
+class DecisionReader:
+    """A row's decisions read from its token ids alone, by the environment's own rules (the
+    answer of a turn is what `KeyTurnEnv.answers` takes from the decoded turn: specials removed,
+    then its first word, first / last key word, or first two key words); the clues a turn answers
+    are those of the observation before it. Σ right / n_decisions is the row's reward.
+    Called with one row: `reader(ids, turn_ids)` -> list[Decision], in the row's order."""
+
+    def __init__(self, n_keys: int, full_turns: bool = False, decisive: str = "every",
+                 key_anywhere: bool = False, key_last: bool = False, two_keys: bool = False,
+                 turns: int = 1, streaming: bool = False):
+        if streaming:
+            raise ValueError("an oracle critic reads turns of several tokens: --testbed_streaming "
+                             "has one-token turns (use --critic token)")
+        self.vocab, self.f = vocabulary(n_keys, full_turns), hidden_mapping(n_keys)
+        self.special = set(self.vocab[:len(SPECIALS)])
+        self.rule = "two" if two_keys else "last" if key_last else \
+            "anywhere" if key_anywhere else "first"
+        self.decisive, self.n_clues = decisive, n_keys
+        self.per_turn = 2 if two_keys else 1
+        self.n_decisions = self.per_turn * (turns if decisive == "every" else 1)
+
+    def __call__(self, ids: list[int], turn_ids: list[int]) -> list[Decision]:
+        turns, seen, shown, current = {}, [], [], -1      # turn -> (its clues, its positions)
+        for p, (i, t) in enumerate(zip(ids, turn_ids)):
+            word = self.vocab[i] if 0 <= i < len(self.vocab) else ""
+            if t < 0:                                      # an observation (or prompt, padding)
+                if word[:1] == "c" and word[1:].isdigit():
+                    seen.append(int(word[1:]))
+            else:
+                if t != current:                           # a turn starts: its clues were shown
+                    shown, seen, current = (seen or shown), [], t
+                    turns[t] = (shown, [])
+                turns[t][1].append(p)
+        out = []
+        for k, (clues, positions) in sorted(turns.items()):
+            if self.decisive != "every" and k > 0:
+                break
+            said = [(p, self.vocab[ids[p]] if ids[p] < len(self.vocab) else "") for p in positions]
+            said = [(p, w) for p, w in said if w not in self.special]
+            keys = [(p, w) for p, w in said if is_key(w)]
+            picked = {"first": said[:1], "anywhere": keys[:1], "last": keys[-1:],
+                      "two": keys[:2]}[self.rule]
+            for j in range(self.per_turn):
+                clue = clues[j]
+                at, word = picked[j] if j < len(picked) else (None, "")
+                out.append(Decision(k, at, positions[-1], clue,
+                                    int(word == key_word(self.f[clue]))))
+        return out
 
 
 def oracle_policy(task: Task, turn_len: int, streaming: bool = False, filler: str = "f0",

@@ -60,7 +60,7 @@ from trainer.runs import (MetricsLog, RunLock, StopFlag, check_out_dir, episode_
                           eval_config, eval_only, free_cached, log_line, phase_timer,
                           questions_at, resume, run_summary, save_checkpoint, seed_everything,
                           start_step, step_metrics, write_outcomes)
-from trainer.critics import TurnValueHead, turn_features
+from trainer.critics import OracleCritic, TurnValueHead, turn_features
 from trainer.stats import UpdateStats, count_turns   # each statistic by its own denominator
 # sampling: the softmax only (generation_config, checked), where a turn ends (TurnEnd: stop
 # strings, </think>, budgets), generate's own log-probs (TurnRecorder), rows per generate call,
@@ -127,7 +127,9 @@ class Config:
                              "better: docs/equations.md) | mae (V + A^MAE)")
     critic: str = arg("token", "token: critic adapter + value head, V at every token | turn: "
                       "§12's turn-boundary critic, V_{t,1} only, a linear head on a frozen layer "
-                      "(MPO, β = 0; target V_{t,1} + A^turn_t; mpo.spread_turn_values)")
+                      "(MPO, β = 0; target V_{t,1} + A^turn_t; mpo.spread_turn_values) | "
+                      "oracle_key | oracle_boundary: --preset testbed's known values, moving at "
+                      "the deciding key word or at the reply after its turn (no critic training)")
     critic_layer: int = arg(0, "--critic turn: the frozen layer it reads (0: n_layers // 2 + 1, "
                             "SmolLM2's 16 of 30, the layer the offline probe chose)")
     critic_buffer: int = arg(4096, "--critic turn: the last N turn starts its ridge refit reads")
@@ -212,6 +214,11 @@ class Config:
         return self.spec.critic
 
     @property
+    def critic_oracle(self) -> str | None:
+        """--critic oracle_key | oracle_boundary: values known from the task's decisions."""
+        return CRITIC_KINDS[self.critic].oracle
+
+    @property
     def critic_values_every_token(self) -> bool:
         """--critic token: V at every action token; --critic turn: at turn starts only."""
         return CRITIC_KINDS[self.critic].every_token
@@ -280,8 +287,9 @@ class ValueHead(nn.Module):
         return {}                           # trained by gradient, in update's epochs
 
 
-def load_model(cfg: Config, device: torch.device):
-    """Tokenizer, the PEFT model (frozen base + "policy", "critic" adapters), the value head."""
+def load_model(cfg: Config, device: torch.device, suite: Suite | None = None):
+    """Tokenizer, the PEFT model (frozen base + "policy", "critic" adapters), the value head
+    (--critic oracle_*: the suite's known values, trainer/critics.py, and no critic adapter)."""
     from peft import LoraConfig
     # trainer/model.py: the base in the compute dtype (--dtype, auto = bf16 where the chip has it),
     # NF4 with --load_in_4bit (activations and KV cache stay in the compute dtype), checkpointing
@@ -298,6 +306,8 @@ def load_model(cfg: Config, device: torch.device):
     # their updates and AdamW state are float32; a layer's LoRA output is cast back to bf16.
     model = get_peft_model(base, lora, adapter_name="policy", autocast_adapter_dtype=True)
     model.sampled_vocab = len(tok)      # ids past the tokenizer are never sampled: sampled_vocab
+    if cfg.critic_oracle:               # no critic adapter: the task's decisions give V
+        return tok, model, OracleCritic(suite.decisions, cfg.critic_oracle).to(device)
     if not cfg.critic_values_every_token:   # --critic turn: a head on a frozen layer
         layer = cfg.critic_layer or n_layers // 2 + 1
         if not 1 <= layer <= n_layers:
@@ -747,7 +757,7 @@ def run(cfg: Config, argv: list[str]) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     if prepare := presets.PRESETS[cfg.preset].prepare_model:    # e.g. tiny builds its model folder
         cfg.model = prepare(cfg, suite, supervised_warm_start)
-    tok, model, value_head = load_model(cfg, device)
+    tok, model, value_head = load_model(cfg, device, suite)
     thinking = thinking_mode(tok, cfg)  # a thinking template needs --max_think_tokens
     check_generation_config(model, generation_config(tok, cfg, False, turn_budget(cfg, thinking),
                                                      [tok.eos_token_id]), cfg)

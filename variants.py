@@ -196,10 +196,14 @@ register(Variant("sao", "SAO (reconstr.)", "SAO", sao_estimator, sao_loss,
 class CriticKind:
     every_token: bool           # values at every action token (False: at turn starts only)
     target: str | None = None   # its regression target (None: --critic_target)
+    oracle: str | None = None   # known values, not learned: judged at "key" | "boundary" (a task
+    #                             that knows its decisions, the testbed; trainer.critics.OracleCritic)
 
 
 CRITIC_KINDS = {"token": CriticKind(every_token=True),
-                "turn": CriticKind(every_token=False, target="mae")}   # V_{t,1} + A^turn_t
+                "turn": CriticKind(every_token=False, target="mae"),   # V_{t,1} + A^turn_t
+                "oracle_key": CriticKind(every_token=True, oracle="key"),          # issue 62
+                "oracle_boundary": CriticKind(every_token=True, oracle="boundary")}
 
 
 # --- Labels: one table for the launcher, the studies and the plots ------------------------------
@@ -209,6 +213,8 @@ def label(name: str, critic: str = "token", short: bool = False) -> str:
     if name not in VARIANTS:
         return name
     text = VARIANTS[name].short if short else VARIANTS[name].label
+    if CRITIC_KINDS[critic].oracle:
+        return f"{text}, {critic.replace('_', ' ')}"
     if CRITIC_KINDS[critic].every_token:
         return text
     head, _, rest = text.partition(": ")

@@ -134,7 +134,8 @@ def test_turn_critic_accepts_mpo_with_beta_zero_and_an_unknown_critic_is_named(t
         cfg = train_min.parse_config(["--preset", "tiny", "--critic", "turn", "--out_dir",
                                       str(tmp_path), *argv])
         assert cfg.critic == "turn" and cfg.beta == 0
-    with pytest.raises(ValueError, match=r"--critic must be one of \('token', 'turn'\), got 'x'"):
+    with pytest.raises(ValueError, match=r"--critic must be one of \('token', 'turn', 'oracle_key', "
+                                         r"'oracle_boundary'\), got 'x'"):
         train_min.parse_config(["--preset", "tiny", "--critic", "x", "--out_dir", str(tmp_path)])
 
 

@@ -74,6 +74,14 @@ def parse_with_presets(config_cls, presets: dict, argv=None):
     for k, v in preset.overrides.items():
         if k not in given:
             setattr(cfg, k, v)
+    if cfg.critic_oracle and not preset.oracle_critics:
+        raise ConfigError(f"--critic {cfg.critic} needs a task that knows its decisions: "
+                          f"--preset testbed (--preset {cfg.preset} has none)")
+    if preset.check:                    # the preset's own checks of the whole config
+        try:
+            preset.check(cfg)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     if cfg.max_turns == 0:              # the default: the hops' searches, then the answer
         cfg.max_turns = cfg.max_hops + 1
     if not cfg.uses_critic:             # no critic to warm up (a preset's default: ignored)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 import mpo
-from trainer.model import decoder_layers, first_adapted_layer, lower_continued
+from trainer.model import decoder_layers, first_adapted_layer, frozen_states, lower_continued
 
 
 class RunningMoments(torch.nn.Module):
@@ -166,3 +166,87 @@ class TurnValueHead(torch.nn.Module):
         self.linear.weight.copy_(coef[None, 1:])
         self.lam.fill_(lam)
         return lam
+
+
+class OracleCritic(torch.nn.Module):
+    """--critic oracle_key | oracle_boundary (issue 62): the value a critic would have if it knew
+    the task's decisions, for measuring what a critic that reads them is worth. No training.
+
+    From the task's `decisions` hook (testbed_env.DecisionReader: each scored answer's turn,
+    the position of its deciding key word, its clue and verdict), with D answers per episode and
+    R their fraction right, V before action token p is
+
+        V_p = (Σ_{d judged before p} right_d + Σ_{d not judged} p̂_d) / D
+
+    judged: `key` once d's deciding key word is in the prefix (a turn passed without one: wrong,
+    judged after its last token); `boundary` once the reply after d's turn is (from the next turn
+    on). p̂_d: the success rate of d's clue in the *previous* batch when that clue is shown in the
+    prefix, else the previous batch's mean (the first batch: 1 / clues); never the row's own
+    outcome. So under `key` δ carries (right_d − p̂_d) / D at the key token; under `boundary` on
+    the turn's last token (its δ crosses the reply)."""
+    kind = "oracle"
+
+    def __init__(self, decisions, judged_at: str):
+        super().__init__()
+        if judged_at not in ("key", "boundary"):
+            raise ValueError(f"OracleCritic: judged_at must be 'key' or 'boundary', got {judged_at!r}")
+        self.decisions, self.judged_at = decisions, judged_at
+        self.register_buffer("hits", torch.zeros(decisions.n_clues, dtype=torch.float64))
+        self.register_buffer("counts", torch.zeros(decisions.n_clues, dtype=torch.float64))
+        self.last: list = []
+
+    def p_hat(self) -> tuple[torch.Tensor, float]:
+        """Per-clue success rates of the previous batch (a clue it lacked: its mean), the mean."""
+        if self.counts.sum() == 0:
+            return torch.full_like(self.hits, 1 / len(self.hits)), 1 / len(self.hits)
+        mean = float(self.hits.sum() / self.counts.sum())
+        return torch.where(self.counts > 0, self.hits / self.counts.clamp(min=1), mean), mean
+
+    # --- the trainer's critic interface (train_min.ValueHead has the same) ---
+    def param_groups(self, named, cfg) -> list[dict]:
+        return []
+
+    def epochs(self, cfg) -> int:
+        return 0
+
+    def begin(self, batch, num_turns: int, hidden: int) -> None:
+        pass
+
+    def features(self, model, batch, micro, ids, attn, turn_ids, num_turns: int):
+        return frozen_states(model, ids, attn)                  # None unless --lora_layers
+
+    def values(self, model, ids, attn, frozen, cfg):
+        return None                                             # known, set in finish
+
+    def finish(self, batch, values):
+        """V (B, T) for the whole batch from each row's decisions; 0 off action tokens."""
+        rates, mean = self.p_hat()
+        ids, tids = batch["ids"].tolist(), batch["turn_ids"].tolist()
+        out = torch.zeros(batch["ids"].shape, dtype=torch.float32)
+        self.last = []
+        for b, (row, tid) in enumerate(zip(ids, tids)):
+            ds = self.decisions(row, tid)
+            if len(ds) != self.decisions.n_decisions:
+                raise ValueError(f"row {b} holds {len(ds)} decisions, the task "
+                                 f"{self.decisions.n_decisions}: a truncated episode?")
+            self.last += ds
+            for p, t in enumerate(tid):
+                if t < 0:
+                    continue
+                v = 0.0
+                for d in ds:
+                    judged = (t > d.turn if self.judged_at == "boundary" else
+                              (d.at if d.at is not None else d.end) < p)
+                    v += d.right if judged else (float(rates[d.clue]) if t >= d.turn else mean)
+                out[b, p] = v / len(ds)
+        return out.to(batch["ids"].device)
+
+    def after_update(self, batch) -> dict[str, float]:
+        """p̂ for the next batch: this batch's success rate per clue."""
+        used = self.p_hat()[1]
+        self.hits.zero_()
+        self.counts.zero_()
+        for d in self.last:
+            self.hits[d.clue] += d.right
+            self.counts[d.clue] += 1
+        return {"oracle_p_hat_mean": used}
