@@ -178,3 +178,37 @@ def _pearson(x: torch.Tensor, y: torch.Tensor, tol: float) -> float:
     if float(x.abs().amax()) <= tol or float(y.abs().amax()) == 0:
         return math.nan
     return float((x * y).sum() / (x.norm() * y.norm()))
+
+
+def decision_credit(batch: dict) -> dict[str, float]:
+    """Where the task knows its decisions (batch["decisions"]: per row, a list of objects with
+    `at` (the deciding token's position, None: no such token), `end` (its turn's last token) and
+    `right` (0/1); testbed_env.DecisionReader), each update's credit at the decisive tokens:
+    `adv/key_credit_corr`, the correlation over the batch's decided answers of the advantage at
+    the deciding token with its verdict (issue 62: "credit quality at the key tokens"); and
+    `decision_gate`'s figures on the batch's own values (`critic/key_share`, `critic/key_corr`,
+    `critic/boundary_corr`; decisions on a turn's last token left out, as the gate requires).
+    Entries that are undefined (no spread, too few decisions) are left out; {} without decisions."""
+    rows = batch.get("decisions")
+    if not rows:
+        return {}
+    adv, tid = batch["advantages"], batch["turn_ids"]
+    found = [(b, d) for b, ds in enumerate(rows) for d in ds if d.at is not None]
+    out = {}
+    if len(found) >= 2:
+        a = torch.tensor([float(adv[b, d.at]) for b, d in found], dtype=torch.float64)
+        y = torch.tensor([float(d.right) for _, d in found], dtype=torch.float64)
+        a, y = a - a.mean(), y - y.mean()
+        if float(a.norm()) > 0 and float(y.norm()) > 0:
+            out["adv/key_credit_corr"] = float((a * y).sum() / (a.norm() * y.norm()))
+    inner = [(b, d) for b, d in found if d.at != d.end]
+    if len(inner) >= 2:
+        decisive = torch.zeros(tid.shape, dtype=torch.bool, device=tid.device)
+        verdicts = torch.zeros(tid.shape, dtype=torch.float64, device=tid.device)
+        for b, d in inner:
+            decisive[b, d.at], verdicts[b, d.at] = True, float(d.right)
+        rewards = mpo.outcome_rewards(batch["scores"].double(), tid)
+        gate = decision_gate(batch["values"].double(), rewards, tid, decisive, verdicts)
+        out |= {f"critic/{k}": v for k, v in gate.items()
+                if k in ("key_share", "key_corr", "boundary_corr") and not math.isnan(v)}
+    return out

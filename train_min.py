@@ -721,6 +721,9 @@ def train_step(model, value_head, opt, tok, suite: Suite, cfg: Config, step: int
     trajs = phase("generate", lambda: rollout(model, tok, suite, tasks, cfg, cfg.n_rollouts))
     free_cached(device)                 # the KV cache's blocks: the update has other shapes
     batch = collate(trajs, tok.pad_token_id, device)
+    if getattr(suite, "decisions", None):   # a task that knows its decisions: key credit (logs)
+        batch["decisions"] = [suite.decisions(*row) for row in zip(batch["ids"].tolist(),
+                                                                   batch["turn_ids"].tolist())]
     phase("score", lambda: score_batch(model, value_head, batch, cfg))   # old log-probs, V
     # --- advantages ---
     compute_advantages(batch, cfg)                                   # MPO: Eq. (20) advantages

@@ -181,3 +181,27 @@ def test_a_testbed_run_with_the_oracle_trains_the_policy_and_no_critic(base, tmp
     assert all("loss/value_loss" not in r and "loss/critic_grad_norm" not in r for r in train)
     assert train[0]["loss/oracle_p_hat_mean"] == pytest.approx(1 / 8)   # the first batch's prior
     assert train[1]["loss/oracle_p_hat_mean"] != pytest.approx(1 / 8)   # then the batch's rate
+    # the gate on the batch's own values: with p̂ one number, δ at a key is (right − p̂) / D
+    assert train[0]["critic/key_corr"] == pytest.approx(1.0)      # (key_share < 1: a turn without
+    assert train[0]["critic/key_share"] > 0.5                     # a key word is judged at its end)
+    assert -1 <= train[0]["adv/key_credit_corr"] <= 1
+
+
+def test_decision_credit_on_a_worked_batch():
+    from diagnostics import decision_credit
+    batch, rewards, reader = worked_batch()
+    tids = batch["turn_ids"]
+    batch["decisions"] = [reader(*row) for row in zip(batch["ids"].tolist(), tids.tolist())]
+    adv = torch.zeros(tids.shape)
+    ds = [(b, d) for b, row in enumerate(batch["decisions"]) for d in row if d.at is not None]
+    assert [d.right for _, d in ds] == [1, 0, 1]           # row 1's first turn has no key word
+    for (b, d), a in zip(ds, (0.9, -0.2, 0.5)):
+        adv[b, d.at] = a
+    batch |= {"advantages": adv, "values": torch.zeros(tids.shape),
+              "scores": torch.tensor(rewards)}
+    out = decision_credit(batch)
+    x, y = torch.tensor([0.9, -0.2, 0.5]), torch.tensor([1.0, 0.0, 1.0])
+    x, y = x - x.mean(), y - y.mean()
+    assert out["adv/key_credit_corr"] == pytest.approx(float((x * y).sum() / (x.norm() * y.norm())))
+    assert "critic/key_corr" not in out           # V = 0: δ is 0 at every key, no correlation
+    assert out["critic/key_share"] == 0.0 and decision_credit({"decisions": None}) == {}

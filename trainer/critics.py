@@ -224,8 +224,8 @@ class OracleCritic(torch.nn.Module):
         ids, tids = batch["ids"].tolist(), batch["turn_ids"].tolist()
         out = torch.zeros(batch["ids"].shape, dtype=torch.float32)
         self.last = []
-        for b, (row, tid) in enumerate(zip(ids, tids)):
-            ds = self.decisions(row, tid)
+        read = batch.get("decisions") or [self.decisions(*row) for row in zip(ids, tids)]
+        for b, (ds, tid) in enumerate(zip(read, tids)):
             if len(ds) != self.decisions.n_decisions:
                 raise ValueError(f"row {b} holds {len(ds)} decisions, the task "
                                  f"{self.decisions.n_decisions}: a truncated episode?")

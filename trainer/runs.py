@@ -26,7 +26,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from diagnostics import credit_quality, within_turn_share
+from diagnostics import credit_quality, decision_credit, within_turn_share
 from trainer.config import ConfigError, given_flags
 
 
@@ -422,6 +422,7 @@ def step_metrics(step: int, trajs: list, n: int, batch: dict, stats: dict, times
             "adv/mean": float(adv.mean()), "adv/std": float(adv.std()),
             "adv/within_turn_share": within_turn_share(batch["advantages"], batch["turn_ids"]),
             **credit_quality(batch["advantages"], batch["turn_ids"], trajs),
+            **decision_credit(batch),      # a task that knows its decisions (the testbed)
             **{f"time/{k}_s": v for k, v in times.items()},
             "time/step_s": sum(times.values()),
             "tokens_per_s": float(act.sum()) / times["generate"],
