@@ -110,11 +110,10 @@ def check_options(streaming: bool = False, decisive: str = "every", key_anywhere
                   full_turns: bool = False, verdict_delay: int = 0, turns: int | None = None,
                   feedback: bool = False, key_last: bool = False, two_keys: bool = False) -> None:
     """Refuse the testbed flag combinations that mean nothing (a ValueError naming the flags)."""
-    if two_keys and (streaming or key_last or key_anywhere or decisive != "every"):
-        raise ValueError("--testbed_two_keys (a turn's first two key words answer its two clues) "
-                         "needs --testbed_decisive every and excludes --testbed_streaming, "
-                         "--testbed_key_last and --testbed_key_anywhere (it already reads key "
-                         "words wherever they stand)")
+    if two_keys and (streaming or key_last or decisive != "every"):
+        raise ValueError("--testbed_two_keys (a turn's first two key words answer its two clues, "
+                         "wherever they stand) needs --testbed_decisive every and excludes "
+                         "--testbed_streaming and --testbed_key_last")
     if key_last and (key_anywhere or streaming):
         raise ValueError("--testbed_key_last (a turn's answer is its last key word) excludes "
                          "--testbed_key_anywhere (its first) and --testbed_streaming (one-token "
