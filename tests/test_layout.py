@@ -106,7 +106,7 @@ def test_the_docs_a_newcomer_reads_stay_short():
 
 
 STUDIES = ("launcher", "testbed_lib", "testbed_map", "testbed_v2", "testbed", "grid", "testbed_why",
-           "testbed_v4", "testbed_v4_beta", "smol_study")                 # in import order
+           "testbed_v4", "testbed_v4_beta", "testbed_oracle", "smol_study")   # in import order
 
 
 def study_imports(name: str) -> set[str]:
@@ -135,7 +135,8 @@ def test_the_studies_import_downward_from_the_launcher():
         "testbed": {"launcher", "testbed_lib", "testbed_v2"}, "grid": {"launcher", "testbed"},
         "testbed_why": {"launcher", "testbed_lib"},
         "testbed_v4": {"launcher", "testbed_lib", "testbed_map"},
-        "testbed_v4_beta": {"launcher", "testbed_lib", "testbed_v4"}, "smol_study": {"launcher"}}
+        "testbed_v4_beta": {"launcher", "testbed_lib", "testbed_v4"},
+        "testbed_oracle": {"launcher", "testbed_lib"}, "smol_study": {"launcher"}}
     order = {name: i for i, name in enumerate(STUDIES)}         # a topological order: no circle
     assert all(order[dep] < order[name] for name, deps in graph.items() for dep in deps)
 

@@ -1,0 +1,79 @@
+"""experiments/testbed_oracle.py (issue 62): the runs it launches, the design's rate rule, the
+primary test with the β = 0 identity, and that a report of other results leaves the page alone."""
+from __future__ import annotations
+
+import pytest
+
+import train_min
+from experiments import testbed_oracle as o
+
+
+def flags_of(job: dict) -> list[str]:
+    return job["argv"]
+
+
+def test_the_jobs_are_the_design_s(tmp_path):
+    tune = o.tune_jobs(tmp_path, tmp_path / "cache", [])
+    assert len(tune) == 18 and {j["meta"]["seed"] for j in tune} == {100, 101, 102}
+    rates = {"mpo": 1e-2, "mpo_beta0": 3e-3}
+    main = o.main_jobs(tmp_path, tmp_path / "cache", [], rates)
+    arms = {}
+    for j in main:
+        arms.setdefault(j["meta"]["arm"], []).append(j["meta"]["seed"])
+    assert {a: len(s) for a, s in arms.items()} == {
+        "A-key": 20, "C-key": 20, "A-bnd": 20, "GRPO": 20, "C-bnd": 3, "C-key-lam0.43": 10,
+        "B0.5-key": 10, "A-key-two": 10, "C-key-two": 10, "GRPO-two": 10}
+    assert len(main) == 133 and all(not j["measure_critic"] for j in main)
+    by = {(j["meta"]["arm"], j["meta"]["seed"]): j for j in main}
+    for (arm, seed), lr, extra in ((("A-key", 30), "0.01", ["--critic", "oracle_key"]),
+                                   (("C-key-lam0.43", 31), "0.003", ["--lam", "0.43"]),
+                                   (("B0.5-key", 32), "0.003", ["--beta", "0.5"]),
+                                   (("GRPO-two", 33), "0.003", ["--testbed_two_keys", "true"])):
+        argv = flags_of(by[(arm, seed)])
+        assert argv[argv.index("--lr_policy") + 1] == lr and " ".join(extra) in " ".join(argv)
+        cfg = train_min.parse_config(argv)                    # every run's flags parse
+        assert cfg.steps == 60 and cfg.critic_warmup_steps == 0
+    assert "--critic" not in flags_of(by[("GRPO", 30)])
+
+
+def rec(arm, seed, auc, final=None, curve=None):
+    return {"arm": arm, "seed": seed, "auc": auc, "final": auc if final is None else final,
+            "curve": curve or [[60, auc]]}
+
+
+def test_the_rate_rule_keeps_3e_3_within_one_se_of_the_best():
+    rs = []
+    for v in ("A", "C"):
+        for rate, base in ((1e-3, 0.2), (3e-3, 0.5), (1e-2, 0.6)):
+            for s, noise in zip(o.TUNE_SEEDS, (0.0, 0.1, -0.1) if v == "A" else (0.0, 0.0, 0.01)):
+                rs.append(rec(f"tune-{v}-lr{rate:g}", s, base + (noise if rate == 1e-2 else 0)))
+    # A: 1e-2 beats 3e-3 by 0.1 ± 0.058 per seed -> within one SE? mean 0.1 > SE: chosen 1e-2;
+    # C: by 0.1033 with SE 0.0033 -> 1e-2
+    assert o.chosen_rates(rs) == {"mpo": 1e-2, "mpo_beta0": 1e-2}
+    flat = [dict(r, auc=0.5 + (0.2 if r["seed"] == 100 and "lr0.01" in r["arm"] else 0))
+            for r in rs]        # 1e-2 ahead by 0.067 ± 0.067 on average: within one SE
+    assert o.chosen_rates(flat) == {"mpo": 3e-3, "mpo_beta0": 3e-3}
+    with pytest.raises(SystemExit, match="run --stage tune first"):
+        o.chosen_rates(rs[:-1])
+
+
+def test_the_interaction_uses_c_under_oracle_key_for_both_where_c_bnd_was_not_run():
+    rs = []
+    for s, (ak, ck, ab) in zip(o.SEEDS[:3], ((0.8, 0.5, 0.3), (0.7, 0.5, 0.4), (0.9, 0.6, 0.3))):
+        rs += [rec("A-key", s, ak), rec("C-key", s, ck), rec("A-bnd", s, ab)]
+    rs.append(rec("C-bnd", o.SEEDS[0], 0.5))
+    t = o.interaction(rs)
+    # per seed (A − C | key) − (A − C | bnd) = A-key − A-bnd: 0.5, 0.3, 0.6
+    assert t["seeds"] == 3 and t["mean"] == pytest.approx(1.4 / 3) and not t["complete"]
+    assert t["low"] < t["mean"] < t["high"]
+    assert o.interaction(rs[:2]) is None
+
+
+def test_a_report_of_other_results_leaves_the_record_page_alone(tmp_path):
+    before = o.PAGE.read_text()
+    results = tmp_path / "results.json"
+    o.launcher.write_results(results, {"command": "test"}, [
+        {**rec("A-key", 30, 0.5), "setting": "A-key", "variant": "mpo", "steps": 60, "lr": 3e-3}])
+    text = o.report(results)
+    assert "A-key | mpo | oracle_key | 0.003 | 1 | 50.0" in text
+    assert o.PAGE.read_text() == before
