@@ -77,3 +77,20 @@ def test_a_report_of_other_results_leaves_the_record_page_alone(tmp_path):
     text = o.report(results)
     assert "A-key | mpo | oracle_key | 0.003 | 1 | 50.0" in text
     assert o.PAGE.read_text() == before
+
+
+def test_the_critic_gate_screen_s_runs_and_its_gate_over_the_last_policy_updates(tmp_path):
+    from experiments import testbed_critic_gate as g
+    jobs = [g.job(tmp_path, tmp_path / "cache", d, 100, []) for d in g.DESIGNS]
+    cfgs = {j["meta"]["design"]: train_min.parse_config(j["argv"]) for j in jobs}
+    assert {d: (c.steps - c.critic_warmup_steps, c.critic_warmup_steps) for d, c in cfgs.items()} \
+        == {"v4-C": (60, 30), "no-warmup": (60, 0), "rate-1e-2": (60, 30), "epochs-4": (60, 30),
+            "warmup-60": (60, 60), "rank-32": (60, 30)}
+    assert cfgs["rate-1e-2"].lr_critic == cfgs["rate-1e-2"].lr_value_head == 1e-2
+    assert cfgs["epochs-4"].critic_epochs == 4 and cfgs["rank-32"].lora_r == 32
+    rows = [{"step": s, "critic/key_corr": 0.0 if s <= 35 else 0.5, "val/reward": 0.25}
+            for s in range(1, 91)]                      # warm-up 30, then 60 policy updates
+    marker = {"setting": "v4-C", "regime": "critic-gate", "variant": "mpo_beta0", "seed": 100,
+              "turn_len": 16, "steps": 90, "warmup": 30, "design": "v4-C"}
+    r = g.record(marker, rows)
+    assert r["key_corr"] == 0.5 and r["key_share"] is None and r["final"] == 0.25
