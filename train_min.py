@@ -122,6 +122,8 @@ class Config:
     # --- algorithm (defaults: the paper's reference setting, §7) ---
     lam: float = arg(0.80, "λ, turn-level GAE (§7)")
     lam_intra: float = arg(0.95, "λ_intra, intra-turn trace (§7)")
+    target_lam_intra: float = arg(-1.0, "λ_intra of the critic's λ-return target only (-1: "
+                                  "--lam_intra); an arm that changes A^intra alone (issue 62)")
     beta: float = arg(1.00, "β, centred intra-turn correction (§7); mpo_beta0 sets 0")
     critic_target: str = arg("lambda_return", "MPO critic target: lambda_return (measured "
                              "better: docs/equations.md) | mae (V + A^MAE)")

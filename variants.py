@@ -39,10 +39,15 @@ import mpo
 # --- The estimators: (batch, cfg, rewards) -> (advantages, returns), (B, T) each ---------------
 def mpo_estimator(batch, cfg, rewards):
     """MPO: Eq. (20) advantages (M1-M5); returns: the critic's target (--critic_target, or the
-    turn critic's own, `Config.returns_target`)."""
-    return mpo.mpo_advantages(rewards, batch["values"], batch["turn_ids"], lam=cfg.lam,
-                              lam_intra=cfg.lam_intra, beta=cfg.beta,
-                              critic_target=cfg.returns_target)
+    turn critic's own, `Config.returns_target`), at --target_lam_intra where one is given."""
+    adv, ret = mpo.mpo_advantages(rewards, batch["values"], batch["turn_ids"], lam=cfg.lam,
+                                  lam_intra=cfg.lam_intra, beta=cfg.beta,
+                                  critic_target=cfg.returns_target)
+    if cfg.target_lam_intra >= 0:       # the target's own λ_intra: the advantages unchanged
+        ret = mpo.mpo_advantages(rewards, batch["values"], batch["turn_ids"], lam=cfg.lam,
+                                 lam_intra=cfg.target_lam_intra, beta=cfg.beta,
+                                 critic_target=cfg.returns_target)[1]
+    return adv, ret
 
 
 def token_gae_estimator(batch, cfg, rewards):
@@ -111,7 +116,7 @@ def sao_defaults(cfg, given: set[str]) -> None:
 CRITIC = frozenset({"critic", "lr_critic", "lr_value_head", "critic_max_grad_norm",
                     "critic_epochs", "value_clip", "vf_coef", "critic_warmup_steps"})
 TURN_CRITIC = frozenset({"critic_layer", "critic_buffer"})     # --critic turn's own
-MPO = frozenset({"lam", "lam_intra", "beta", "critic_target"})
+MPO = frozenset({"lam", "lam_intra", "beta", "critic_target", "target_lam_intra"})
 CLIP = frozenset({"clip_eps", "clip_eps_high", "dual_clip"})
 GSPO_CLIP = frozenset({"gspo_clip_low", "gspo_clip_high", "dual_clip"})
 GROUP = frozenset({"grpo_scale"})

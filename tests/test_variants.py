@@ -284,3 +284,24 @@ def test_the_integration_page_runs_as_printed_and_its_variant_registers(capsys, 
                                     "--lr_critic", "1e-3", "--out_dir", str(tmp_path)])
     finally:
         variants.unregister("reinforce_mean")
+
+
+def test_target_lam_intra_changes_the_critic_s_target_and_not_the_advantages(tmp_path):
+    """Issue 62, item 5: an arm with λ_intra = 1 in A^intra and the critic's λ-return target at
+    0.95 (the v4 arm changed both)."""
+    g = torch.Generator().manual_seed(0)
+    tid = torch.tensor([[-1, 0, 0, 0, -1, 1, 1, 1], [0, 0, -1, 1, 1, 1, 1, -1]])
+    batch = {"values": torch.rand(tid.shape, generator=g, dtype=torch.float64), "turn_ids": tid,
+             "scores": torch.tensor([1.0, 0.0], dtype=torch.float64)}
+    rewards = mpo.outcome_rewards(batch["scores"], tid)
+    out = lambda *extra: variants.mpo_estimator(batch, train_min.parse_config(     # noqa: E731
+        ["--preset", "tiny", "--out_dir", str(tmp_path), *extra]), rewards)
+    adv1, ret1 = out("--lam_intra", "1.0")
+    adv2, ret2 = out("--lam_intra", "1.0", "--target_lam_intra", "0.95")
+    _, ret3 = out("--lam_intra", "0.95")
+    assert torch.equal(adv1, adv2) and torch.equal(ret2, ret3) and not torch.equal(ret1, ret2)
+    with pytest.raises(ConfigError, match="--target_lam_intra must be in"):
+        train_min.parse_config(["--preset", "tiny", "--target_lam_intra", "2"])
+    with pytest.raises(ConfigError, match="--target_lam_intra 0.9 is refused: --variant ppo"):
+        train_min.parse_config(["--preset", "tiny", "--variant", "ppo", "--target_lam_intra",
+                                "0.9"])

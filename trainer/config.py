@@ -135,6 +135,9 @@ def check_config(cfg) -> None:
     if not (cfg.dual_clip == 0 or (math.isfinite(cfg.dual_clip) and cfg.dual_clip > 1)):
         raise ConfigError(f"--dual_clip must be 0 (off) or > 1 (the cap c of Ye et al., 2020), "
                           f"got {cfg.dual_clip}")
+    if not (cfg.target_lam_intra == -1 or 0 <= cfg.target_lam_intra <= 1):
+        raise ConfigError(f"--target_lam_intra must be in [0, 1] or -1 (--lam_intra), got "
+                          f"{cfg.target_lam_intra}")
     if not 0 < cfg.sao_eps_low < 1:
         raise ConfigError(f"--sao_eps_low must be in (0, 1) (the band's lower edge 1 - ε_low "
                           f"must be a ratio > 0), got {cfg.sao_eps_low}")
