@@ -68,7 +68,8 @@ def tune_jobs(root: Path, cache: Path, more: list[str], seeds=TUNE_SEEDS) -> lis
 
 
 def main_jobs(root: Path, cache: Path, more: list[str], rates: dict, seeds=SEEDS) -> list[dict]:
-    """Seed by seed: the primary arms on every seed first, then the secondary arms."""
+    """The runs of `seeds`, each seed's primary arms, then its check and secondary arms (`run`
+    calls it seed by seed, so a stopped study holds whole seeds)."""
     out = []
     for arms, arm_seeds in ((PRIMARY, SEEDS), (CHECK, CHECK_SEEDS), (SECONDARY, SECONDARY_SEEDS)):
         for s in (s for s in arm_seeds if s in seeds):
