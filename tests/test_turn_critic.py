@@ -428,3 +428,16 @@ def test_both_critics_are_one_interface_and_only_the_token_critic_trains_by_grad
     assert token.epochs(mpo_cfg) == 3 and token.values(None, None, None, None, grpo_cfg) is None
     assert turn.param_groups(named, mpo_cfg) == [] and turn.epochs(mpo_cfg) == 0
     assert token.after_update({}) == {}
+
+
+def test_a_turn_critic_reads_a_bfloat16_model_s_states_in_float32(base, tmp_path):
+    """--dtype bfloat16 (auto on a CPU with bf16 units, as SmolLM2's demo on AVX-512 BF16 cores):
+    the frozen layer's states are bf16, the head's buffer float32; one step runs and refits."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MPO_CACHE", str(base / "mpo-cache"))
+        mp.setattr(*fault_runner.quick_build_patch())
+        mp.setattr(*fault_runner.parity_reward_patch())
+        run_main(["--preset", "tiny", "--variant", "mpo_beta0", "--critic", "turn", "--dtype",
+                  "bfloat16", "--steps", "1", "--eval_every", "1", "--out_dir", str(tmp_path / "b")])
+    rows = [json.loads(x) for x in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["loss/critic_lambda"] > 0 for r in rows if "loss/critic_lambda" in r] == [True]

@@ -125,8 +125,9 @@ class TurnValueHead(torch.nn.Module):
     def features(self, model, batch, micro, ids, attn, turn_ids, num_turns: int):
         """This micro-batch's turn-start features and the frozen layers' output (or None), in one
         pass through the frozen layers."""
-        batch["turn_x"][micro], h = turn_features(model, ids, attn, turn_ids, self.layer,
-                                                  num_turns, upto=first_adapted_layer(model))
+        x, h = turn_features(model, ids, attn, turn_ids, self.layer, num_turns,
+                             upto=first_adapted_layer(model))
+        batch["turn_x"][micro] = x.float()     # float32 whatever the compute dtype (bf16 units)
         return h
 
     def values(self, model, ids, attn, frozen, cfg):
