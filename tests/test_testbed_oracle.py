@@ -94,3 +94,17 @@ def test_the_critic_gate_screen_s_runs_and_its_gate_over_the_last_policy_updates
               "turn_len": 16, "steps": 90, "warmup": 30, "design": "v4-C"}
     r = g.record(marker, rows)
     assert r["key_corr"] == 0.5 and r["key_share"] is None and r["final"] == 0.25
+
+
+def test_the_committed_pages_hold_the_report_of_the_committed_records():
+    """docs/results.md's summary and the record page's tables regenerate from
+    docs/testbed/oracle/results.json byte for byte."""
+    records = o.load()
+    if not records:
+        pytest.skip("no committed records yet")
+    study = [r for r in records if not r["arm"].startswith("tune-")]
+    results = o.SUMMARY_PAGE.read_text()
+    assert o.summary(study) in results
+    page = o.PAGE.read_text()
+    start = page.index("<!-- oracle-tables:start -->\n") + len("<!-- oracle-tables:start -->\n")
+    assert page[start:page.index("<!-- oracle-tables:end -->")] == o.report_text(records)
