@@ -257,6 +257,47 @@ def summary(records: list[dict]) -> str:
             f"{d('C-key-lam0.43', 'C-key')}, β = 1 stays {d('A-key', 'C-key-lam0.43')} above.\n")
 
 
+def predictions_table(records: list[dict]) -> str:
+    """The design's seven predictions (written before the runs) against the measurements: AUC
+    points, paired means; "held" by the rule each prediction stated."""
+    auc = {(c["row"], c["ref"]): c["mean"] * 100 for c in family(records, "auc")}
+    t = interaction(records)
+    cells = by_arm(records)
+
+    def m(arm, k="key_credit_corr"):
+        xs = [r.get(k) for r in cells.get(arm, {}).values() if r.get(k) is not None]
+        return statistics.mean(xs) if xs else float("nan")
+
+    def within(x, lo, hi):
+        return lo <= x <= hi
+    g = lambda a, b: auc.get((a, b), float("nan"))                        # noqa: E731
+    one, two = g("A-key", "C-key"), g("A-key-two", "C-key-two")
+    rows = [
+        ("1. interaction +15 to +40, interval above 0",
+         f"{100 * t['mean']:+.1f} [{100 * t['low']:+.1f}, {100 * t['high']:+.1f}]" if t else "–",
+         bool(t) and within(100 * t["mean"], 15, 40) and t["low"] > 0),
+        ("2. A − C: key +10 to +25, boundary −20 to −5",
+         f"{one:+.1f}; {g('A-bnd', 'C-key'):+.1f}",
+         within(one, 10, 25) and within(g("A-bnd", "C-key"), -20, -5)),
+        ("3. key: C − GRPO +10 to +30, A − GRPO +25 to +50",
+         f"{g('C-key', 'GRPO'):+.1f}; {g('A-key', 'GRPO'):+.1f}",
+         within(g("C-key", "GRPO"), 10, 30) and within(g("A-key", "GRPO"), 25, 50)),
+        ("4. λ 0.43 between C and A, each gap +3 to +15",
+         f"{g('C-key-lam0.43', 'C-key'):+.1f}; {g('A-key', 'C-key-lam0.43'):+.1f}",
+         within(g("C-key-lam0.43", "C-key"), 3, 15) and within(g("A-key", "C-key-lam0.43"), 3, 15)),
+        ("5. β = 0.5 between C and A",
+         f"{g('B0.5-key', 'C-key'):+.1f} above C",
+         0 < g("B0.5-key", "C-key") < one),
+        ("6. key credit A > C > GRPO (key); A < C (boundary)",
+         f"{m('A-key'):.2f} > {m('C-key'):.2f} > {m('GRPO'):.2f}; {m('A-bnd'):.2f} vs {m('C-key'):.2f}",
+         m("A-key") > m("C-key") > m("GRPO") and m("A-bnd") < m("C-key")),
+        ("7. two decisions: A − C 0 to +15, below one decision's",
+         f"{two:+.1f} (one: {one:+.1f})", within(two, 0, 15) and two < one)]
+    lines = sig.table_head(["prediction (AUC points)", "measured", "held"])
+    lines += [f"| {p} | {v.replace('-', '−')} | {'yes' if ok else 'no'} |" for p, v, ok in rows]
+    return "\n".join(lines) + "\n"
+
+
 def report(results: Path = RESULTS, page: Path = PAGE) -> str:
     """The record page's tables and docs/results.md's summary, from the raw file (written only
     for the committed one)."""
@@ -301,7 +342,9 @@ def report_text(records: list[dict]) -> str:
                          f"oracle_key on {len(same)} of {len(check)} check seeds (same curve and "
                          "final success).\n")
         parts += ["**The secondary family** (AUC tested once both cells hold all their seeds, "
-                  "Holm over those; final success reported):\n", family_table(study)]
+                  "Holm over those; final success reported):\n", family_table(study),
+                  "**The predictions against the results** (the design's, written before any "
+                  "run):\n", predictions_table(study)]
     return "\n".join(parts)
 
 
