@@ -2,6 +2,8 @@
 primary test with the β = 0 identity, and that a report of other results leaves the page alone."""
 from __future__ import annotations
 
+import statistics
+
 import pytest
 
 import train_min
@@ -108,3 +110,36 @@ def test_the_committed_pages_hold_the_report_of_the_committed_records():
     page = o.PAGE.read_text()
     start = page.index("<!-- oracle-tables:start -->\n") + len("<!-- oracle-tables:start -->\n")
     assert page[start:page.index("<!-- oracle-tables:end -->")] == o.report_text(records)
+
+
+def test_the_written_findings_quote_the_raw_file():
+    """The record page's "What the runs showed": every number recomputed from the raw file."""
+    records = [r for r in o.load() if not r["arm"].startswith("tune-")]
+    if len(records) < 133:
+        pytest.skip("the study is not complete")
+    text = " ".join(o.PAGE.read_text().split("## What the runs showed")[1].split())
+    auc = {(c["row"], c["ref"]): 100 * c["mean"] for c in o.family(records, "auc")}
+    cells = o.by_arm(records)
+
+    def mean(arm, k):
+        return f"{sum(r[k] for r in cells[arm].values()) / len(cells[arm]):.2f}"
+    t = o.interaction(records)
+    for sentence in (
+            f"β = 1 beats β = 0 by {auc[('A-key', 'C-key')]:.0f} AUC points",
+            f"β = 1 loses {-auc[('A-bnd', 'C-key')]:.0f}",
+            f"The interaction, {100 * t['mean']:.0f} points",
+            f"beats GRPO by {auc[('A-key', 'GRPO')]:.0f} AUC points at equal samples, β = 0 by "
+            f"{auc[('C-key', 'GRPO')]:.0f}",
+            f"({mean('C-key', 'key_credit_corr')} → {mean('A-key', 'key_credit_corr')})",
+            f"({mean('C-key', 'key_credit_corr')} → {mean('A-bnd', 'key_credit_corr')})",
+            f"reads {mean('A-key', 'key_corr')} at the key",
+            f"did ({mean('C-key-lam0.43', 'key_credit_corr')}) and gained "
+            f"{auc[('C-key-lam0.43', 'C-key')]:.0f} points, but β = 1 stayed "
+            f"{auc[('A-key', 'C-key-lam0.43')]:.0f} above",
+            f"A − C under the key-reading value was {auc[('A-key', 'C-key')]:+.1f}, "
+            f"{auc[('A-key', 'C-key')] - 25:.1f} above",
+            f"under the boundary value {auc[('A-bnd', 'C-key')]:+.1f}".replace("-", "−"),
+            f"GRPO {statistics.mean(r['auc'] for r in cells['GRPO-two'].values()) * 100:.0f} AUC",
+            f"(+{auc[('A-key-two', 'C-key-two')]:.1f})"):
+        assert sentence in text, sentence
+    assert len(o.load()) == 151
