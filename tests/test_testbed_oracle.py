@@ -143,3 +143,27 @@ def test_the_written_findings_quote_the_raw_file():
             f"(+{auc[('A-key-two', 'C-key-two')]:.1f})"):
         assert sentence in text, sentence
     assert len(o.load()) == 151
+
+
+def test_the_gate_screen_s_findings_quote_its_raw_file():
+    from experiments import testbed_critic_gate as g
+    if not g.RESULTS.exists():
+        pytest.skip("no gate records")
+    records = g.launcher.load_records(g.RESULTS)
+    by = {}
+    for r in records:
+        by.setdefault(r["design"], []).append(r)
+    mean = {d: {k: statistics.mean(r[k] for r in rs) for k in ("key_corr", "key_share",
+                                                                "boundary_corr", "ev")}
+            for d, rs in by.items()}
+    text = " ".join(g.PAGE.read_text().split("## What the screen showed")[1].split())
+    best = max(mean, key=lambda d: mean[d]["key_corr"])
+    assert len(records) == 18 and best == "epochs-4" and all(
+        m["key_corr"] < 0.3 for m in mean.values())
+    assert f"reached {mean[best]['key_corr']:.2f}" in text
+    assert f"more than {max(m['key_share'] for m in mean.values()):.2f} of Σδ²" in text
+    learned = [m["boundary_corr"] for m in mean.values() if m["ev"] >= 0.5]
+    assert f"(boundary corr {min(learned):.2f}–{max(learned):.2f})" in text
+    body = g.PAGE.read_text()
+    start = body.index("<!-- gate-tables:start -->\n") + len("<!-- gate-tables:start -->\n")
+    assert body[start:body.index("<!-- gate-tables:end -->")] == g.report_text(records)
