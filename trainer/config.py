@@ -19,7 +19,7 @@ class ConfigError(ValueError):
 def given_flags(argv: list[str]) -> set[str]:
     """The Config field names written on the command line: ["--n_val=4", "--seed", "1"] ->
     {"n_val", "seed"}."""
-    return {a.lstrip("-").split("=")[0].replace("-", "_") for a in argv if a.startswith("--")}
+    return set(given_values(argv))
 
 
 def given_values(argv: list[str]) -> dict[str, str]:
@@ -57,7 +57,8 @@ def parse_with_presets(config_cls, presets: dict, argv=None):
         raise ConfigError(f"unknown flag {flags[0]}{hint}; see python train_min.py --help")
     if unknown:
         raise ConfigError(f"unexpected argument {unknown[0]!r}; flags take the form --name value")
-    given = given_flags(argv)
+    written = given_values(argv)        # flag -> its value as written
+    given = set(written)
     if "preset" not in given and not cfg.device and not torch.cuda.is_available():
         # `python train_min.py` on a machine without a GPU: the CPU demo on a real model
         print("No CUDA GPU found: running the CPU demo, --preset smol (SmolLM2-135M-Instruct); "
@@ -91,7 +92,7 @@ def parse_with_presets(config_cls, presets: dict, argv=None):
     if (steps := cfg.spec.value_steps) and steps not in given and getattr(cfg, steps) >= cfg.steps:
         setattr(cfg, steps, cfg.steps // 2)   # VAPO's default 50 would leave no policy update
     check_config(cfg)                   # the preset's values are checked like the user's
-    refuse_variant_flags(cfg, given_values(argv))   # a flag the variant fixes or never reads
+    refuse_variant_flags(cfg, written)  # a flag the variant fixes or never reads
     return cfg
 
 
